@@ -1,0 +1,5 @@
+import sys
+
+from psserver.main import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""Shard configuration: one frozen dataclass, built once in ``main()`` from flags, then
+``PSSERVER_*`` environment variables, then defaults (flags win). Only this module reads
+``argv`` and the environment."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pswire.codec import DEFAULT_CHUNK_BYTES
+
+__all__ = ["ServerConfig", "parse_args"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": 'Interface to bind. Loopback by default; containers bind 0.0.0.0 on an internal network.'})
+    port: int = field(default=0, metadata={"help": 'TCP port; 0 picks a free one (it is logged and written to ``port_file``).'})
+    port_file: str | None = field(default=None, metadata={"help": 'If set, the bound port is written here (atomically) once the shard serves.'})
+    threads: int = field(default=16, metadata={"help": 'gRPC handler threads; also the most RPCs served at once.'})
+    max_concurrent_rpcs: int = field(default=64, metadata={"help": 'RPCs admitted at once (beyond ``threads`` they queue); more get RESOURCE_EXHAUSTED.'})
+    max_request_bytes: int = field(default=8 << 30, metadata={"help": 'Largest push or initialisation accepted, in bytes.'})
+    chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, metadata={"help": 'Chunk size of pull streams.'})
+    init_timeout: float = field(default=60.0, metadata={"help": 'Seconds a registered initialiser has to upload the variables before another worker may.'})
+    grace: float = field(default=5.0, metadata={"help": 'Seconds in-flight RPCs get to finish on shutdown.'})
+    log_level: str = field(default="INFO", metadata={"help": "Logging level: DEBUG, INFO, WARNING, ERROR."})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.threads < 1 or self.max_concurrent_rpcs < self.threads:
+            raise ValueError("threads must be >= 1 and max_concurrent_rpcs >= threads")
+        if self.chunk_bytes < 1024 or self.chunk_bytes > (4 << 20) - 4096:
+            raise ValueError("chunk_bytes must be between 1 KiB and just under 4 MiB")
+        if self.max_request_bytes < 1 or self.init_timeout <= 0 or self.grace < 0:
+            raise ValueError("max_request_bytes and init_timeout must be > 0, grace >= 0")
+
+
+def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Flags, then ``PSSERVER_<FIELD>`` variables, then defaults. Raises ``SystemExit`` (via
+    argparse) on bad flags, with the ``ValueError`` message of an invalid value."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(
+        prog="psserver", description="Run one parameter-server shard.",
+        epilog="Every flag can also be set as PSSERVER_<FLAG> (e.g. PSSERVER_PORT=7000); flags win.",
+    )
+    for f in dataclasses.fields(ServerConfig):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), type=_kind(f), default=None,
+            help=f"{f.metadata.get('help', '')} (default: {f.default})",
+        )
+    args = parser.parse_args(argv)
+    values = {}
+    for f in dataclasses.fields(ServerConfig):
+        flag_value = getattr(args, f.name)
+        env_value = env.get("PSSERVER_" + f.name.upper())
+        if flag_value is not None:
+            values[f.name] = flag_value
+        elif env_value is not None:
+            try:
+                values[f.name] = _kind(f)(env_value)
+            except ValueError:
+                parser.error(f"PSSERVER_{f.name.upper()}={env_value!r} is not a valid {_kind(f).__name__}")
+    try:
+        return ServerConfig(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _kind(f: dataclasses.Field) -> type:
+    return {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)

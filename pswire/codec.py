@@ -1,0 +1,228 @@
+"""Tensors on the wire: raw little-endian bytes plus dtype and shape, moved in chunks.
+
+Senders expose a tensor's memory as a byte view (no copy) and cut it into chunks; receivers
+reassemble chunks into buffers allocated once per part (or straight into destination tensors),
+checking order, bounds and completeness, and then view the bytes as a tensor without copying.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pswire.errors import InvalidArgumentError
+from pswire.v1 import ps_pb2
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ChunkAssembler",
+    "Part",
+    "dtype_from_wire",
+    "dtype_name",
+    "dtype_to_wire",
+    "iter_chunks",
+    "tensor_bytes",
+]
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("pswire sends raw little-endian tensor bytes and needs a little-endian host")
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+"""Chunk size on the wire: large enough to amortise per-message cost, far below gRPC's 4 MiB."""
+
+_TO_WIRE = {
+    torch.float32: ps_pb2.FLOAT32,
+    torch.float64: ps_pb2.FLOAT64,
+    torch.float16: ps_pb2.FLOAT16,
+    torch.bfloat16: ps_pb2.BFLOAT16,
+    torch.int64: ps_pb2.INT64,
+    torch.int32: ps_pb2.INT32,
+    torch.int8: ps_pb2.INT8,
+    torch.uint8: ps_pb2.UINT8,
+}
+_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+
+
+def dtype_to_wire(dtype: torch.dtype) -> int:
+    """Wire enum of a torch dtype; raises ``InvalidArgumentError`` for unsupported dtypes."""
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        raise InvalidArgumentError(f"dtype {dtype} cannot be sent (supported: {_supported()})") from None
+
+
+def dtype_from_wire(value: int) -> torch.dtype:
+    """Torch dtype of a wire enum; raises ``InvalidArgumentError`` for unknown values."""
+    try:
+        return _FROM_WIRE[value]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown wire dtype {value} (supported: {_supported()})") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _supported() -> str:
+    return ", ".join(dtype_name(d) for d in _TO_WIRE)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A row range ``[row_start, row_end)`` of a model variable, as one shard holds it.
+
+    Scalars and unsplit variables are one part covering every row (a scalar counts as one row).
+    """
+
+    name: str
+    full_shape: tuple[int, ...]
+    dtype: torch.dtype
+    row_start: int
+    row_end: int
+
+    @property
+    def rows(self) -> int:
+        """Rows of the whole variable (1 for a scalar)."""
+        return self.full_shape[0] if self.full_shape else 1
+
+    @property
+    def is_whole(self) -> bool:
+        return self.row_start == 0 and self.row_end == self.rows
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if not self.full_shape:
+            return ()
+        return (self.row_end - self.row_start, *self.full_shape[1:])
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def key(self) -> str:
+        """Shard-local identity, also used in pull version maps and error messages."""
+        return self.name if self.is_whole else f"{self.name}[{self.row_start}:{self.row_end}]"
+
+    def to_proto(self) -> ps_pb2.PartSpec:
+        return ps_pb2.PartSpec(
+            name=self.name,
+            full_shape=list(self.full_shape),
+            dtype=dtype_to_wire(self.dtype),
+            row_start=self.row_start,
+            row_end=self.row_end,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: ps_pb2.PartSpec) -> "Part":
+        """Parse and validate; raises ``InvalidArgumentError`` naming what is wrong."""
+        shape = tuple(int(d) for d in msg.full_shape)
+        if not msg.name:
+            raise InvalidArgumentError("variable name is empty")
+        if any(d < 0 for d in shape):
+            raise InvalidArgumentError(f"variable {msg.name!r} has a negative dimension: {shape}")
+        part = cls(msg.name, shape, dtype_from_wire(msg.dtype), int(msg.row_start), int(msg.row_end))
+        if not 0 <= part.row_start <= part.row_end <= part.rows:
+            raise InvalidArgumentError(
+                f"variable {msg.name!r}: rows [{part.row_start}:{part.row_end}) "
+                f"outside its {part.rows} rows"
+            )
+        return part
+
+    def describe(self) -> str:
+        return f"{self.key} {dtype_name(self.dtype)}{list(self.shape)}"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor as a flat memoryview, without copying.
+
+    Raises ``ValueError`` for tensors that are not on the CPU or not contiguous, where a view is
+    impossible and a silent copy would hide a cost.
+    """
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor must be on the CPU to be sent, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous to be sent without a copy")
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def iter_chunks(
+    buffers: Sequence[memoryview], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[ps_pb2.TensorChunk]:
+    """Cut each buffer into in-order chunks of at most ``chunk_bytes`` (empty buffers send none)."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    for index, buf in enumerate(buffers):
+        for offset in range(0, len(buf), chunk_bytes):
+            yield ps_pb2.TensorChunk(
+                part_index=index, offset=offset, data=bytes(buf[offset : offset + chunk_bytes])
+            )
+
+
+class ChunkAssembler:
+    """Reassembles in-order chunks of several parts into preallocated buffers.
+
+    ``destinations`` may supply a tensor per part to receive the bytes directly (the pull path
+    writes straight into model parameters); otherwise a buffer is allocated per part.
+    """
+
+    def __init__(
+        self, parts: Sequence[Part], destinations: Sequence[torch.Tensor | None] | None = None
+    ) -> None:
+        self.parts = list(parts)
+        self._tensors: list[torch.Tensor] = []
+        for i, part in enumerate(self.parts):
+            dest = destinations[i] if destinations is not None else None
+            if dest is None:
+                dest = torch.from_numpy(np.empty(part.nbytes, dtype=np.uint8)).view(part.dtype)
+                dest = dest.reshape(part.shape)
+            elif tuple(dest.shape) != part.shape or dest.dtype != part.dtype:
+                raise ValueError(f"destination for {part.describe()} is {dest.dtype}{list(dest.shape)}")
+            self._tensors.append(dest)
+        self._views = [tensor_bytes(t) for t in self._tensors]
+        self._received = [0] * len(self.parts)
+
+    def add(self, chunk: ps_pb2.TensorChunk) -> None:
+        """Copy one chunk into place; raises ``InvalidArgumentError`` for out-of-order,
+        out-of-range or overflowing chunks."""
+        index = chunk.part_index
+        if not 0 <= index < len(self.parts):
+            raise InvalidArgumentError(
+                f"chunk names part {index}, but the header lists {len(self.parts)} parts"
+            )
+        part = self.parts[index]
+        expected = self._received[index]
+        if chunk.offset != expected:
+            raise InvalidArgumentError(
+                f"chunk of {part.key!r} at byte {chunk.offset}, expected byte {expected} "
+                "(chunks must arrive in order without gaps)"
+            )
+        end = expected + len(chunk.data)
+        if end > part.nbytes:
+            raise InvalidArgumentError(
+                f"byte length of {part.key!r} exceeds {part.nbytes} bytes "
+                f"({part.describe()}); got at least {end}"
+            )
+        self._views[index][expected:end] = chunk.data
+        self._received[index] = end
+
+    def finish(self) -> list[torch.Tensor]:
+        """The assembled tensors; raises ``InvalidArgumentError`` if any part is incomplete."""
+        for part, got in zip(self.parts, self._received):
+            if got != part.nbytes:
+                raise InvalidArgumentError(
+                    f"byte length of {part.key!r} is {got}, expected {part.nbytes} ({part.describe()})"
+                )
+        return self._tensors

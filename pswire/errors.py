@@ -1,0 +1,54 @@
+"""The parameter server's domain errors, shared by shards and workers.
+
+    PSError
+     +-- InvalidArgumentError   bad input: unknown variable, wrong dtype/shape/length, NaN/Inf
+     +-- TooLargeError          a request beyond the shard's size limits
+     +-- PreconditionError      the job disagrees: mismatching model or settings, stale generation,
+     |                          unregistered worker; re-registering (or fixing the job) is the remedy
+     +-- NotReadyError          the shard cannot serve yet (not initialised); retry later
+     +-- UnavailableError       a shard cannot be reached (client side, after retries)
+     +-- DeadlineError          a call or a wait ran past its deadline (also a ``TimeoutError``)
+
+Shards raise these from the store; the servicer maps them to gRPC status codes in one table and
+the worker's client maps ``grpc.RpcError`` back to them in one place.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeadlineError",
+    "InvalidArgumentError",
+    "NotReadyError",
+    "PSError",
+    "PreconditionError",
+    "TooLargeError",
+    "UnavailableError",
+]
+
+
+class PSError(Exception):
+    """Base class of every error this system raises on purpose."""
+
+
+class InvalidArgumentError(PSError, ValueError):
+    """The request is malformed; the shard's state is unchanged."""
+
+
+class TooLargeError(PSError):
+    """The request exceeds a configured size limit; the shard's state is unchanged."""
+
+
+class PreconditionError(PSError):
+    """The request disagrees with the job's state (model, settings, membership)."""
+
+
+class NotReadyError(PSError):
+    """The shard is not ready to serve this request yet; retrying later may succeed."""
+
+
+class UnavailableError(PSError):
+    """A shard could not be reached."""
+
+
+class DeadlineError(PSError, TimeoutError):
+    """A call or a wait did not finish before its deadline."""

@@ -1,0 +1,119 @@
+"""Which shard holds what: a pure, deterministic function of (model spec, number of shards).
+
+Every worker computes the same map and sends its digest with ``Register``; shards refuse a
+worker whose map disagrees. Variables larger than a threshold are split by rows into one range
+per shard (TensorFlow's variable partitioner, ps-lite key ranges); the rest are placed largest
+first on the least-loaded shard, so no shard holds more than its share plus one small variable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pswire.codec import Part, dtype_name, dtype_to_wire
+
+__all__ = ["MIN_SPLIT_BYTES", "Placement", "VariableSpec", "model_spec", "place"]
+
+MIN_SPLIT_BYTES = 256 << 10
+"""Variables below this are never split: a row range costs a message per shard per step."""
+
+
+@dataclass(frozen=True)
+class VariableSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def model_spec(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[VariableSpec]:
+    """Spec of a model's variables (e.g. ``model.named_parameters()``), in the given order.
+
+    Raises ``ValueError`` on duplicate names or dtypes the wire cannot carry.
+    """
+    spec, seen = [], set()
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"duplicate variable name {name!r}")
+        seen.add(name)
+        dtype_to_wire(tensor.dtype)
+        spec.append(VariableSpec(name, tuple(tensor.shape), tensor.dtype))
+    return spec
+
+
+@dataclass(frozen=True)
+class Placement:
+    num_shards: int
+    shards: tuple[tuple[Part, ...], ...]
+    """Parts held by each shard, in the model's variable order."""
+
+    def shard_bytes(self) -> list[int]:
+        return [sum(p.nbytes for p in parts) for parts in self.shards]
+
+    def parts_of(self, name: str) -> list[tuple[int, Part]]:
+        """(shard index, part) of every piece of variable ``name``, by row order."""
+        found = [(i, p) for i, parts in enumerate(self.shards) for p in parts if p.name == name]
+        return sorted(found, key=lambda item: item[1].row_start)
+
+    def digest(self) -> str:
+        """Stable identity of the whole map, compared by shards at registration."""
+        doc = [
+            [[p.name, list(p.full_shape), dtype_name(p.dtype), p.row_start, p.row_end] for p in parts]
+            for parts in self.shards
+        ]
+        return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def _row_ranges(rows: int, pieces: int) -> list[tuple[int, int]]:
+    return [(rows * i // pieces, rows * (i + 1) // pieces) for i in range(pieces)]
+
+
+def place(spec: Sequence[VariableSpec], num_shards: int, *, min_split_bytes: int = MIN_SPLIT_BYTES) -> Placement:
+    """Place ``spec`` on ``num_shards`` shards. Raises ``ValueError`` for an empty spec,
+    duplicate names or a shard count below 1."""
+    if num_shards < 1:
+        raise ValueError(f"number of shards must be >= 1, got {num_shards}")
+    if not spec:
+        raise ValueError("the model has no variables to place")
+    names = [v.name for v in spec]
+    if len(set(names)) != len(names):
+        raise ValueError("variable names must be unique")
+    total = sum(v.nbytes for v in spec)
+    # Split anything bigger than an eighth of a shard's share: then the leftover imbalance after
+    # greedy placement is at most that eighth.
+    threshold = max(min_split_bytes, total // (8 * num_shards))
+
+    # (order key, var index, part) items; large variables become one row range per shard.
+    items: list[tuple[int, int, Part]] = []
+    for index, var in enumerate(spec):
+        rows = var.shape[0] if var.shape else 1
+        pieces = min(num_shards, rows) if var.nbytes > threshold and var.shape else 1
+        for start, end in _row_ranges(rows, pieces):
+            items.append((index, pieces, Part(var.name, var.shape, var.dtype, start, end)))
+
+    load = [0] * num_shards
+    holders: dict[str, set[int]] = {}
+    assigned: list[list[tuple[int, Part]]] = [[] for _ in range(num_shards)]
+    # Largest first, ties broken by name and rows, so the result never depends on dict order.
+    for index, pieces, part in sorted(items, key=lambda it: (-it[2].nbytes, it[2].name, it[2].row_start)):
+        taken = holders.setdefault(part.name, set())
+        candidates = [s for s in range(num_shards) if s not in taken] if pieces > 1 else range(num_shards)
+        shard = min(candidates, key=lambda s: (load[s], s))
+        load[shard] += part.nbytes
+        taken.add(shard)
+        assigned[shard].append((index, part))
+    shards = tuple(
+        tuple(p for _, p in sorted(parts, key=lambda it: (it[0], it[1].row_start))) for parts in assigned
+    )
+    return Placement(num_shards, shards)

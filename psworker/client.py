@@ -1,0 +1,356 @@
+"""The worker's side of the wire: one ``ShardClient`` per shard and a ``PSClient`` that talks
+to all of them at once. ``grpc.RpcError`` becomes a ``pswire.errors`` error here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from pswire import errors
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, Part, iter_chunks, tensor_bytes
+from pswire.optim import OptimizerConfig
+from pswire.placement import Placement, VariableSpec, place
+from pswire.v1 import ps_pb2, ps_pb2_grpc
+from pswire.wire import optimizer_to_proto
+
+__all__ = ["ClientOptions", "PSClient", "ShardClient", "parse_addresses"]
+
+log = logging.getLogger(__name__)
+
+SERVICE = "pswire.v1.ParameterServer"
+_MESSAGE_LIMIT = 64 << 20
+
+# Only reads and the idempotent join are retried by the channel; a push is never replayed
+# blindly (it would apply twice).
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": SERVICE, "method": m} for m in ("Register", "Pull", "Status")],
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.2s",
+            "maxBackoff": "3s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+})
+
+_CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.PSError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.TooLargeError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.PreconditionError,
+    grpc.StatusCode.ABORTED: errors.PreconditionError,
+    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineError,
+}
+
+
+def parse_addresses(spec: str | Sequence[str]) -> list[str]:
+    """``"h1:p1,h2:p2"`` (or a list) to a list of addresses; raises ``ValueError`` if malformed."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = [a.strip() for a in items if a.strip()]
+    if not out:
+        raise ValueError("no parameter-server address given (expected HOST:PORT[,HOST:PORT...])")
+    for address in out:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"bad parameter-server address {address!r}: expected HOST:PORT")
+    if len(set(out)) != len(out):
+        raise ValueError(f"a parameter-server address is listed twice in {out}")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientOptions:
+    timeout: float = 30.0
+    """Deadline of a small RPC in seconds; large transfers get ``bytes / min_bandwidth`` more."""
+    min_bandwidth: float = 20e6
+    """Bytes per second a transfer is assumed to reach at worst, to size its deadline."""
+    connect_timeout: float = 60.0
+    """Seconds to wait for every shard to accept a connection."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Size of the chunks a push or initialisation is cut into."""
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0 or self.min_bandwidth <= 0 or self.connect_timeout <= 0:
+            raise ValueError("timeouts and min_bandwidth must be > 0")
+        if not 1024 <= self.chunk_bytes < (4 << 20):
+            raise ValueError("chunk_bytes must be between 1 KiB and 4 MiB")
+
+    def deadline(self, nbytes: int) -> float:
+        return self.timeout + nbytes / self.min_bandwidth
+
+
+def _translate(exc: grpc.RpcError, address: str) -> errors.PSError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = _CODE_TO_ERROR.get(code, errors.PSError)
+    return cls(f"shard {address}: {details} ({code.name})")
+
+
+class ShardClient:
+    """Calls to one shard. Every call has a deadline; errors are ``pswire.errors`` types."""
+
+    def __init__(self, address: str, options: ClientOptions) -> None:
+        self.address = address
+        self.options = options
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
+                ("grpc.max_send_message_length", _MESSAGE_LIMIT),
+                ("grpc.enable_retries", 1),
+                ("grpc.service_config", _SERVICE_CONFIG),
+            ],
+        )
+        self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+
+    def wait_connected(self, timeout: float) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise errors.UnavailableError(
+                f"shard {self.address} did not accept a connection within {timeout:.0f}s"
+            ) from None
+
+    def _call(self, method, request, *, nbytes: int = 0):
+        try:
+            return method(request, timeout=self.options.deadline(nbytes), wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address) from exc
+
+    def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterResponse:
+        return self._call(self._stub.Register, request)
+
+    def status(self) -> ps_pb2.StatusResponse:
+        return self._call(self._stub.Status, ps_pb2.StatusRequest())
+
+    def _stream(
+        self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]
+    ) -> Iterator[ps_pb2.TensorMessage]:
+        yield ps_pb2.TensorMessage(header=header)
+        for chunk in iter_chunks(buffers, self.options.chunk_bytes):
+            yield ps_pb2.TensorMessage(chunk=chunk)
+
+    def initialize(self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]) -> ps_pb2.InitializeResponse:
+        nbytes = sum(len(b) for b in buffers)
+        return self._call(self._stub.Initialize, self._stream(header, buffers), nbytes=nbytes)
+
+    def push(self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]) -> ps_pb2.PushResponse:
+        nbytes = sum(len(b) for b in buffers)
+        return self._call(self._stub.Push, self._stream(header, buffers), nbytes=nbytes)
+
+    def pull(
+        self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int
+    ) -> tuple[int, dict[str, int]]:
+        """Stream a snapshot into ``destinations`` (part key -> tensor of the part's shape).
+        Returns the shard version and the version of every part written."""
+        try:
+            stream = self._stub.Pull(request, timeout=self.options.deadline(nbytes), wait_for_ready=True)
+            first = next(stream, None)
+            if first is None or first.WhichOneof("kind") != "header":
+                raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
+            header = first.header
+            parts, dests, versions = [], [], {}
+            for pulled in header.parts:
+                part = Part.from_proto(pulled.spec)
+                if part.key not in destinations:
+                    raise errors.PreconditionError(
+                        f"shard {self.address} holds {part.key!r}, which this worker's placement "
+                        "does not put there"
+                    )
+                parts.append(part)
+                dests.append(destinations[part.key] if pulled.included else None)
+                if pulled.included:
+                    versions[part.key] = pulled.version
+            assembler = ChunkAssembler(
+                [p for p, d in zip(parts, dests) if d is not None], [d for d in dests if d is not None]
+            )
+            index_map = {}
+            for i, d in enumerate(dests):
+                if d is not None:
+                    index_map[i] = len(index_map)
+            for message in stream:
+                chunk = message.chunk
+                chunk.part_index = index_map[chunk.part_index]
+                assembler.add(chunk)
+            assembler.finish()
+            return header.version, versions
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address) from exc
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+@dataclass
+class _ShardSession:
+    client: ShardClient
+    parts: tuple[Part, ...]
+    worker_id: int = 0
+    generation: int = 0
+    sequence: int = 0
+    version: int = 0
+    known: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Part key -> (version, data pointer of the tensor it was pulled into)."""
+
+
+class PSClient:
+    """A worker's connection to every shard of a job.
+
+    Calls fan out to all shards concurrently and return when every shard has answered; an error
+    from any shard is raised (the first one, as a ``pswire.errors`` error).
+    """
+
+    def __init__(self, addresses: str | Sequence[str], options: ClientOptions | None = None) -> None:
+        self.addresses = parse_addresses(addresses)
+        self.options = options or ClientOptions()
+        self._clients = [ShardClient(a, self.options) for a in self.addresses]
+        self._pool = futures.ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="psclient")
+        self._lock = threading.Lock()  # guards _sessions and placement against concurrent step calls
+        self.placement: Placement | None = None
+        self._sessions: list[_ShardSession] = []
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._clients)
+
+    def _fan_out(self, fn, items):
+        futs = [self._pool.submit(fn, item) for item in items]
+        # Each call carries its own gRPC deadline; this outer bound only guards against a hang.
+        return [f.result(timeout=self.options.connect_timeout + 3600) for f in futs]
+
+    def wait_connected(self) -> None:
+        self._fan_out(lambda c: c.wait_connected(self.options.connect_timeout), self._clients)
+
+    def set_placement(self, spec: Sequence[VariableSpec]) -> Placement:
+        """Compute the placement of ``spec`` on this job's shards (no RPC)."""
+        placement = place(spec, self.num_shards)
+        with self._lock:
+            self.placement = placement
+            self._sessions = [_ShardSession(c, parts) for c, parts in zip(self._clients, placement.shards)]
+        return placement
+
+    def register(
+        self,
+        spec: Sequence[VariableSpec],
+        optimizer: OptimizerConfig,
+        *,
+        worker_name: str,
+        job_fingerprint: str = "",
+        initial_values: Mapping[str, torch.Tensor] | None = None,
+    ) -> bool:
+        """Join the job on every shard; upload ``initial_values`` where this worker is chosen to
+        initialise. Returns True if this worker initialised at least one shard.
+
+        Raises ``PreconditionError`` when the model or settings disagree with the job's.
+        """
+        placement = self.set_placement(spec)
+
+        def one(index: int) -> bool:
+            session = self._sessions[index]
+            reply = session.client.register(ps_pb2.RegisterRequest(
+                worker_name=worker_name, shard_index=index, num_shards=self.num_shards,
+                placement_digest=placement.digest(), parts=[p.to_proto() for p in session.parts],
+                optimizer=optimizer_to_proto(optimizer), job_fingerprint=job_fingerprint,
+            ))
+            session.worker_id, session.generation = reply.worker_id, reply.generation
+            session.version, session.sequence = reply.version, 0
+            session.known.clear()
+            if not reply.must_initialize:
+                return False
+            if initial_values is None:
+                raise errors.PreconditionError(
+                    f"shard {session.client.address} asks this worker to initialise it, but no values were given"
+                )
+            header = self._header(session, 0)
+            buffers = [tensor_bytes(_rows(initial_values[p.name], p)) for p in session.parts]
+            session.client.initialize(header, buffers)
+            return True
+
+        return any(self._fan_out(one, range(self.num_shards)))
+
+    def _header(self, session: _ShardSession, base_version: int, parts: Sequence[Part] | None = None) -> ps_pb2.TensorHeader:
+        return ps_pb2.TensorHeader(
+            worker_id=session.worker_id, generation=session.generation, sequence=session.sequence,
+            base_version=base_version, parts=[p.to_proto() for p in (parts or session.parts)],
+        )
+
+    def pull(self, destinations: Mapping[str, torch.Tensor], *, skip_unchanged: bool = True) -> list[int]:
+        """Write every shard's current values into ``destinations`` (variable name -> contiguous
+        CPU tensor of the full shape). Returns each shard's version."""
+        sessions = self._require_sessions()
+
+        def one(session: _ShardSession) -> int:
+            dest = {p.key: _rows(destinations[p.name], p) for p in session.parts}
+            known = {}
+            if skip_unchanged:
+                for key, (version, ptr) in session.known.items():
+                    if dest[key].data_ptr() == ptr:
+                        known[key] = version
+            nbytes = sum(p.nbytes for p in session.parts)
+            version, written = session.client.pull(
+                ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
+                                   known_versions=known),
+                dest, nbytes,
+            )
+            for key, part_version in written.items():
+                session.known[key] = (part_version, dest[key].data_ptr())
+            session.version = version
+            return version
+
+        return self._fan_out(one, sessions)
+
+    def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse | None]:
+        """Push gradients (variable name -> contiguous CPU tensor) to the shards holding them,
+        computed from the versions of the last pull. Shards with none of the variables are
+        skipped (``None`` in the result)."""
+        sessions = self._require_sessions()
+
+        def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
+            parts = [p for p in session.parts if p.name in grads]
+            if not parts:
+                return None
+            session.sequence += 1
+            header = self._header(session, session.version, parts)
+            return session.client.push(header, [tensor_bytes(_rows(grads[p.name], p)) for p in parts])
+
+        return self._fan_out(one, sessions)
+
+    def status(self) -> list[ps_pb2.StatusResponse]:
+        return self._fan_out(lambda c: c.status(), self._clients)
+
+    def _require_sessions(self) -> list[_ShardSession]:
+        with self._lock:
+            if not self._sessions:
+                raise errors.PreconditionError("register (or set_placement) before pull and push")
+            return list(self._sessions)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self._clients:
+            c.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _rows(tensor: torch.Tensor, part: Part) -> torch.Tensor:
+    """The rows of ``tensor`` that ``part`` covers, as a view (``tensor`` must be contiguous)."""
+    if tuple(tensor.shape) != part.full_shape or tensor.dtype != part.dtype:
+        raise ValueError(
+            f"tensor for {part.name!r} is {tensor.dtype}{list(tensor.shape)}, "
+            f"expected {part.dtype}{list(part.full_shape)}"
+        )
+    return tensor if part.is_whole else tensor[part.row_start : part.row_end]

@@ -1,0 +1,291 @@
+"""Training tasks: what a worker trains, on which data, and with which recommended settings.
+
+A task is a model with freshly initialised weights, a training split, a loss function and an
+optional test split. Built-in tasks are named (``BUILTIN_TASKS``); user tasks are named
+``"package.module:function"`` where ``function(seed=...)`` returns a :class:`Task`.
+
+Example::
+
+    task = load_task("mnist1d-mlp", seed=0)
+    print(evaluate(task.model, task))   # {"test_loss": ..., "test_accuracy": ...}
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "Task",
+    "TaskDefaults",
+    "evaluate",
+    "linreg_optimum",
+    "load_task",
+]
+
+BUILTIN_TASKS: tuple[str, ...] = ("mnist1d-mlp", "mnist1d-cnn", "linreg")
+
+_OPTIMIZERS = ("sgd", "adam", "adagrad")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskDefaults:
+    """A task's recommended training settings, used by the CLI when a flag is not given."""
+
+    optimizer: str
+    """Server-side update rule: "sgd", "adam" or "adagrad"."""
+    lr: float
+    """Learning rate."""
+    batch_size: int
+    """Examples per worker step."""
+    steps: int
+    """Total optimizer steps for the whole job; each of N workers runs ``steps // N``."""
+    momentum: float = 0.0
+    """SGD momentum (ignored by the other optimizers)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size!r}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps!r}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+
+
+def _check_split(what: str, split: object) -> None:
+    if not (isinstance(split, tuple) and len(split) == 2
+            and all(isinstance(t, torch.Tensor) for t in split)):
+        raise ValueError(f"{what} must be a tuple (inputs, targets) of two tensors")
+    inputs, targets = split
+    if inputs.dim() == 0 or targets.dim() == 0:
+        raise ValueError(f"{what} tensors must have a first (examples) dimension")
+    if inputs.shape[0] != targets.shape[0]:
+        raise ValueError(f"{what} inputs and targets differ in length: "
+                         f"{inputs.shape[0]} vs {targets.shape[0]}")
+    if inputs.shape[0] == 0:
+        raise ValueError(f"{what} split is empty")
+
+
+@dataclass(kw_only=True)
+class Task:
+    """A model to train with its data and loss. Validated on construction (raises ValueError)."""
+
+    name: str
+    """Human-readable name, used in logs."""
+    model: nn.Module
+    """The model with its initial weights."""
+    train: tuple[torch.Tensor, torch.Tensor]
+    """Training (inputs, targets); the first dimension indexes examples."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """(model output, targets) -> scalar loss, the mean over the batch."""
+    test: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Optional held-out (inputs, targets) used by :func:`evaluate`."""
+    classification: bool = True
+    """If True, :func:`evaluate` also reports accuracy (argmax of output vs integer targets)."""
+    defaults: TaskDefaults = field(
+        default_factory=lambda: TaskDefaults(optimizer="sgd", lr=0.01, batch_size=64, steps=1000))
+    """Recommended settings; generic ones unless the task knows better."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("task name must be a non-empty string")
+        if not isinstance(self.model, nn.Module):
+            raise ValueError(f"task {self.name!r}: model must be a torch.nn.Module, "
+                             f"got {type(self.model).__name__}")
+        if not callable(self.loss_fn):
+            raise ValueError(f"task {self.name!r}: loss_fn must be callable")
+        _check_split(f"task {self.name!r}: train", self.train)
+        if self.test is not None:
+            _check_split(f"task {self.name!r}: test", self.test)
+        if not isinstance(self.defaults, TaskDefaults):
+            raise ValueError(f"task {self.name!r}: defaults must be a TaskDefaults")
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist1d_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    # mnist1d imports matplotlib.pyplot; a headless worker must not need a display.
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    # make_dataset reseeds the global `random` and numpy RNGs (fixed seed 42, so the data
+    # is the same for every task seed); restore them so callers' randomness is untouched.
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        data = make_dataset(get_dataset_args())  # generated offline; get_dataset would download
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    arrays = (data["x"].astype(np.float32), data["y"].astype(np.int64),
+              data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))
+    for a in arrays:
+        a.flags.writeable = False  # shared by every load in this process
+    return arrays
+
+
+def _mnist1d_splits() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    x, y, x_test, y_test = (torch.tensor(a) for a in _mnist1d_arrays())  # copies
+    return (x, y), (x_test, y_test)
+
+
+class _MnistCnn(nn.Module):
+    """The MNIST-1D paper's CNN: three strided convolutions, then a linear classifier."""
+
+    def __init__(self, channels: int = 25) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv1d(1, channels, 5, stride=2, padding=1), nn.ReLU(),   # 40 -> 19
+            nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),  # 19 -> 10
+            nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),  # 10 -> 5
+        )
+        self.linear = nn.Linear(channels * 5, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.conv(x.view(-1, 1, x.shape[-1])).flatten(1))
+
+
+def _mnist1d_mlp(seed: int) -> Task:
+    del seed  # weights come from the global RNG that load_task seeds; the data is fixed
+    model = nn.Sequential(nn.Linear(40, 100), nn.ReLU(), nn.Linear(100, 100), nn.ReLU(),
+                          nn.Linear(100, 10))
+    train, test = _mnist1d_splits()
+    # Tuned with 2 workers on 1-step-stale gradients (see module tests / tuning notes).
+    defaults = TaskDefaults(optimizer="adam", lr=1e-2, batch_size=100, steps=6000)
+    return Task(name="mnist1d-mlp", model=model, train=train, test=test,
+                loss_fn=nn.functional.cross_entropy, defaults=defaults)
+
+
+def _mnist1d_cnn(seed: int) -> Task:
+    del seed  # as for the MLP
+    model = _MnistCnn()
+    train, test = _mnist1d_splits()
+    defaults = TaskDefaults(optimizer="adam", lr=1e-2, batch_size=100, steps=6000)
+    return Task(name="mnist1d-cnn", model=model, train=train, test=test,
+                loss_fn=nn.functional.cross_entropy, defaults=defaults)
+
+
+_LINREG_DIM, _LINREG_TRAIN, _LINREG_TEST, _LINREG_NOISE = 32, 4096, 1024, 0.01
+
+
+def _linreg_generator(seed: int) -> torch.Generator:
+    # A private generator: the data depends only on `seed`, never on the global RNG.
+    return torch.Generator().manual_seed(seed)
+
+
+def linreg_optimum(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generating (weight, bias) of the ``linreg`` task for ``seed``.
+
+    Shapes match ``nn.Linear(32, 1)``: weight (1, 32), bias (1,). With noise std 0.01 this is
+    the least-squares optimum up to about 1e-3. Raises nothing.
+    """
+    g = _linreg_generator(seed)
+    # Scaled so that targets have unit-order variance for standard-normal inputs.
+    w = torch.randn(1, _LINREG_DIM, generator=g) / math.sqrt(_LINREG_DIM)
+    b = torch.randn(1, generator=g)
+    return w, b
+
+
+def _linreg(seed: int) -> Task:
+    w, b = linreg_optimum(seed)
+    g = _linreg_generator(seed + 1_000_003)  # independent stream from the optimum's
+    n = _LINREG_TRAIN + _LINREG_TEST
+    x = torch.randn(n, _LINREG_DIM, generator=g)
+    y = x @ w.T + b + _LINREG_NOISE * torch.randn(n, 1, generator=g)
+    model = nn.Linear(_LINREG_DIM, 1)  # from the global RNG that load_task seeds
+    defaults = TaskDefaults(optimizer="sgd", lr=0.05, batch_size=64, steps=1000)
+    return Task(name="linreg", model=model,
+                train=(x[:_LINREG_TRAIN], y[:_LINREG_TRAIN]),
+                test=(x[_LINREG_TRAIN:], y[_LINREG_TRAIN:]),
+                loss_fn=nn.functional.mse_loss, classification=False, defaults=defaults)
+
+
+_BUILTIN_FACTORIES: dict[str, Callable[..., Task]] = {
+    "mnist1d-mlp": _mnist1d_mlp, "mnist1d-cnn": _mnist1d_cnn, "linreg": _linreg,
+}
+
+
+def _resolve(spec: str) -> Callable[..., object]:
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name or ":" in func_name:
+        raise ValueError(f"unknown task {spec!r}: expected one of {BUILTIN_TASKS} "
+                         f"or 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"task {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    try:
+        func = getattr(module, func_name)
+    except AttributeError as exc:
+        raise ValueError(f"task {spec!r}: module {module_name!r} has no attribute "
+                         f"{func_name!r}") from exc
+    if not callable(func):
+        raise ValueError(f"task {spec!r}: {func_name!r} is not callable")
+    return func
+
+
+def load_task(spec: str, *, seed: int = 0) -> Task:
+    """Build the task named by ``spec``, with model weights initialised from ``seed``.
+
+    ``spec`` is a name in ``BUILTIN_TASKS`` or ``"package.module:function"``; the function is
+    called as ``function(seed=seed)`` and must return a :class:`Task`. The global torch RNG is
+    seeded with ``seed`` during the call and restored afterwards, so user tasks that simply
+    build their model get deterministic weights and the caller's RNG is unaffected.
+
+    Raises ValueError if the name is unknown, the syntax is bad, the module cannot be imported,
+    the function does not exist, or it returns something other than a Task (including a Task
+    that fails validation).
+    """
+    factory = _BUILTIN_FACTORIES[spec] if spec in _BUILTIN_FACTORIES else _resolve(spec)
+    # devices=[]: forking CUDA RNGs would initialise CUDA, which the CPU-only path never needs.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        task = factory(seed=seed)
+    if not isinstance(task, Task):
+        raise ValueError(f"task {spec!r}: function returned {type(task).__name__}, not a Task")
+    return task
+
+
+def evaluate(model: nn.Module, task: Task, *, batch_size: int = 1000) -> dict[str, float]:
+    """Mean loss (and accuracy, for classification tasks) of ``model`` on ``task.test``.
+
+    Returns ``{"test_loss": ..., "test_accuracy": ...}`` (no accuracy for regression), or
+    ``{}`` if the task has no test split. Runs in eval mode without gradients and restores the
+    model's previous mode. Raises ValueError if ``batch_size`` < 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    if task.test is None:
+        return {}
+    inputs, targets = task.test
+    was_training = model.training
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    try:
+        with torch.no_grad():
+            for start in range(0, inputs.shape[0], batch_size):
+                x, y = inputs[start:start + batch_size], targets[start:start + batch_size]
+                out = model(x)
+                # loss_fn is a batch mean; weight by batch size so a short last batch counts right.
+                loss_sum += float(task.loss_fn(out, y)) * x.shape[0]
+                if task.classification:
+                    correct += int((out.argmax(dim=-1) == y).sum())
+    finally:
+        model.train(was_training)
+    n = inputs.shape[0]
+    result = {"test_loss": loss_sum / n}
+    if task.classification:
+        result["test_accuracy"] = correct / n
+    return result
