@@ -1,0 +1,5 @@
+import sys
+
+from psworker.main import main
+
+sys.exit(main())

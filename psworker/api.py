@@ -1,0 +1,184 @@
+"""Training against the parameter server from an existing PyTorch loop, in three changed lines::
+
+    session = psworker.connect("127.0.0.1:7000,127.0.0.1:7001")      # 1: connect to the shards
+    model, optimizer = session.prepare(model, optimizer)               # 2: same model, PS optimizer
+    ...                                                                # 3: the loop is unchanged:
+    loss.backward(); optimizer.step(); optimizer.zero_grad()           #    step() pushes and pulls
+
+``prepare`` registers the model and the optimizer's settings with the job (the first worker to
+register initialises the shards with its model's values; later ones join and must agree), then
+pulls the current weights into the model. The wrapped optimizer's ``step()`` pushes the
+gradients, the shards apply the update rule, and the new weights are pulled back in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+
+import torch
+
+from pswire import errors
+from pswire.optim import OptimizerConfig
+from pswire.placement import model_spec
+from psworker.client import ClientOptions, PSClient
+
+__all__ = ["DistributedOptimizer", "Session", "connect"]
+
+log = logging.getLogger(__name__)
+
+
+def connect(
+    ps: str | Sequence[str],
+    *,
+    worker_name: str | None = None,
+    job: str = "",
+    options: ClientOptions | None = None,
+) -> "Session":
+    """Connect to every shard of a job (``"host:port,host:port"`` or a list).
+
+    ``worker_name`` identifies this worker across restarts (default: host name and pid); ``job``
+    is a free-form identity every worker of the job must share. Raises ``ValueError`` for
+    malformed addresses and ``UnavailableError`` when a shard does not answer in time.
+    """
+    client = PSClient(ps, options)
+    try:
+        client.wait_connected()
+    except BaseException:
+        client.close()
+        raise
+    return Session(client, worker_name or f"{socket.gethostname()}-{os.getpid()}", job)
+
+
+class Session:
+    """One worker's membership in a job. Use :func:`connect` to make one."""
+
+    def __init__(self, client: PSClient, worker_name: str, job: str = "") -> None:
+        self.client = client
+        self.worker_name = worker_name
+        self.job = job
+        self.initialized_job = False
+        """True when this worker uploaded the initial values (it registered first)."""
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._staging: dict[str, torch.Tensor] = {}
+        self._grads: dict[str, torch.Tensor] = {}
+
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerConfig,
+    ) -> tuple[torch.nn.Module, "DistributedOptimizer"]:
+        """Register ``model`` and the optimizer's settings, then load the job's weights.
+
+        ``optimizer`` is a ``torch.optim`` SGD, Adam or Adagrad over the model's parameters (its
+        hyper-parameters become the job's update rule on the shards) or an ``OptimizerConfig``.
+        Returns the same model object and a :class:`DistributedOptimizer`. Raises ``ValueError``
+        for unsupported optimizers, ``PreconditionError`` when the model or settings disagree
+        with the job's.
+        """
+        config = optimizer if isinstance(optimizer, OptimizerConfig) else OptimizerConfig.from_torch(optimizer)
+        self._params = dict(model.named_parameters())
+        if not self._params:
+            raise ValueError("the model has no parameters")
+        for name, param in self._params.items():
+            # Pulls write into a CPU tensor of the parameter's shape: the parameter itself when it
+            # lives on the CPU and is contiguous, otherwise a staging copy (pinned for CUDA).
+            if param.device.type == "cpu" and param.is_contiguous():
+                self._staging[name] = param.data
+            else:
+                pin = param.device.type == "cuda"
+                self._staging[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
+                self._grads[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
+        initial = {name: p.detach().to("cpu").contiguous() for name, p in self._params.items()}
+        spec = model_spec(initial.items())
+        self.initialized_job = self.client.register(
+            spec, config, worker_name=self.worker_name, job_fingerprint=self.job, initial_values=initial
+        )
+        log.info(
+            "%s %s the job on %d shard(s): %d variables, optimizer %s lr %g",
+            self.worker_name, "initialised" if self.initialized_job else "joined",
+            self.client.num_shards, len(spec), config.name, config.lr,
+        )
+        self.pull()
+        return model, DistributedOptimizer(self, optimizer if not isinstance(optimizer, OptimizerConfig) else None)
+
+    def pull(self) -> None:
+        """Load the shards' current weights into the model's parameters, in place."""
+        with torch.no_grad():
+            self.client.pull(self._staging)
+            for name, param in self._params.items():
+                staged = self._staging[name]
+                if staged.data_ptr() != param.data_ptr():
+                    param.data.copy_(staged, non_blocking=True)
+            if any(p.device.type == "cuda" for p in self._params.values()):
+                torch.cuda.synchronize()
+
+    def push(self) -> None:
+        """Push the parameters' gradients; parameters without a gradient are left out, as
+        ``torch.optim`` skips them. Raises ``InvalidArgumentError`` if a gradient is not finite."""
+        grads = {}
+        with torch.no_grad():
+            for name, param in self._params.items():
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                if name in self._grads:
+                    self._grads[name].copy_(grad)
+                    grad = self._grads[name]
+                elif not grad.is_contiguous():
+                    grad = grad.contiguous()
+                grads[name] = grad
+        if not grads:
+            raise errors.InvalidArgumentError("no parameter has a gradient: call backward() before step()")
+        self.client.push(grads)
+
+    def status(self):
+        return self.client.status()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DistributedOptimizer:
+    """Stands in for the local optimizer: ``step()`` pushes gradients and pulls new weights.
+
+    The update rule runs on the shards, so the wrapped optimizer never steps; it is kept for
+    ``zero_grad`` and ``param_groups``. Learning-rate changes made locally (e.g. by a scheduler)
+    do not reach the shards.
+    """
+
+    def __init__(self, session: Session, local: torch.optim.Optimizer | None) -> None:
+        self.session = session
+        self.local = local
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.local.param_groups if self.local is not None else []
+
+    def step(self, closure=None):
+        """Push this step's gradients, then pull the updated weights into the model."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.session.push()
+        self.session.pull()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.session._params.values():
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.zero_()

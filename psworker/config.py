@@ -1,0 +1,149 @@
+"""Worker configuration: one frozen dataclass, built once in ``main()`` from flags, then
+``PSWORKER_*`` environment variables, then defaults (flags win). Only this module reads ``argv``
+and the environment."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pswire.optim import OPTIMIZERS, OptimizerConfig
+
+__all__ = ["WorkerConfig", "build_parser", "parse_args"]
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    ps: str = _f("", "Shard addresses, HOST:PORT[,HOST:PORT...], in the same order on every worker.")
+    task: str = _f("mnist1d-mlp", "Built-in task (mnist1d-mlp, mnist1d-cnn, linreg) or package.module:function.")
+    local: bool = _f(False, "Train in this process with no server (the baseline).", flag=True)
+    steps: int | None = _f(None, "Optimizer steps of this worker (default: the task's job steps / num-workers).")
+    epochs: float | None = _f(None, "Train for this many passes over this worker's data slice instead of --steps.")
+    batch_size: int | None = _f(None, "Examples per step (default: the task's).")
+    optimizer: str | None = _f(None, "sgd, adam or adagrad (default: the task's).", choices=OPTIMIZERS)
+    lr: float | None = _f(None, "Learning rate (default: the task's).")
+    momentum: float | None = _f(None, "SGD momentum (default: the task's, else 0).")
+    nesterov: bool = _f(False, "SGD with Nesterov momentum.", flag=True)
+    dampening: float = _f(0.0, "SGD dampening.")
+    weight_decay: float = _f(0.0, "L2 penalty.")
+    beta1: float = _f(0.9, "Adam beta1.")
+    beta2: float = _f(0.999, "Adam beta2.")
+    eps: float | None = _f(None, "Adam/Adagrad eps (default: 1e-8 for Adam, 1e-10 for Adagrad).")
+    amsgrad: bool = _f(False, "Adam: AMSGrad variant.", flag=True)
+    lr_decay: float = _f(0.0, "Adagrad learning-rate decay.")
+    initial_accumulator_value: float = _f(0.0, "Adagrad initial accumulator.")
+    seed: int = _f(0, "Seed of the model's initial weights and of the data order.")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto (CUDA when available).")
+    threads: int = _f(0, "Threads torch may use for compute; 0 keeps torch's default (pscluster sets 1 per worker).")
+    worker_index: int = _f(0, "This worker's index, 0..num-workers-1: picks its slice of the data.")
+    num_workers: int = _f(1, "Number of workers sharing the data.")
+    worker_name: str | None = _f(None, "Stable name of this worker (default: worker-<index>).")
+    progress: str = _f("auto", "auto (a bar on a terminal, else log lines), bar, log or none.",
+                       choices=("auto", "bar", "log", "none"))
+    log_every: float = _f(5.0, "Seconds between progress log lines.")
+    rpc_timeout: float = _f(30.0, "Deadline of a small RPC in seconds (transfers get more per byte).")
+    connect_timeout: float = _f(60.0, "Seconds to wait for every shard to accept a connection.")
+    log_level: str = _f("INFO", "Logging level.")
+
+    def __post_init__(self) -> None:
+        if not self.local and not self.ps:
+            raise ValueError("give --ps HOST:PORT[,HOST:PORT...] (or --local to train without a server)")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"--epochs must be > 0, got {self.epochs}")
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give --steps or --epochs, not both")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
+            raise ValueError(
+                f"--worker-index must be in 0..{self.num_workers - 1} (got {self.worker_index} "
+                f"with --num-workers {self.num_workers})"
+            )
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        if self.log_every <= 0 or self.rpc_timeout <= 0 or self.connect_timeout <= 0:
+            raise ValueError("--log-every, --rpc-timeout and --connect-timeout must be > 0")
+
+    @property
+    def name(self) -> str:
+        return self.worker_name or f"worker-{self.worker_index}"
+
+    def optimizer_config(self, *, default_name: str, default_lr: float, default_momentum: float = 0.0) -> OptimizerConfig:
+        """The job's optimizer from flags, falling back to the task's defaults. Raises
+        ``ValueError`` for invalid settings."""
+        name = self.optimizer or default_name
+        same_as_task = name == default_name
+        momentum = self.momentum if self.momentum is not None else (default_momentum if same_as_task else 0.0)
+        return OptimizerConfig(
+            name=name,
+            lr=self.lr if self.lr is not None else default_lr,
+            momentum=momentum if name == "sgd" else 0.0,
+            dampening=self.dampening,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps if self.eps is not None else (1e-10 if name == "adagrad" else 1e-8),
+            amsgrad=self.amsgrad,
+            lr_decay=self.lr_decay,
+            initial_accumulator_value=self.initial_accumulator_value,
+        )
+
+
+def _kind(f: dataclasses.Field) -> type:
+    return {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+
+
+def build_parser(prog: str = "psworker") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a task against parameter-server shards (or locally with --local).",
+        epilog="Every flag can also be set as PSWORKER_<FLAG> (e.g. PSWORKER_PS=ps0:7000); flags win.",
+    )
+    for f in dataclasses.fields(WorkerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.metadata.get("flag"):
+            parser.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
+        else:
+            parser.add_argument(
+                flag, type=_kind(f), default=None, choices=f.metadata.get("choices"),
+                help=f"{f.metadata['help']} (default: {f.default})",
+            )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Flags, then ``PSWORKER_<FIELD>`` variables, then defaults. Exits with a usage error
+    naming the problem on invalid input."""
+    env = os.environ if env is None else env
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    values = {}
+    for f in dataclasses.fields(WorkerConfig):
+        flag_value = getattr(args, f.name)
+        env_value = env.get("PSWORKER_" + f.name.upper())
+        if flag_value is not None:
+            values[f.name] = flag_value
+        elif env_value is not None:
+            if f.metadata.get("flag"):
+                values[f.name] = env_value.strip().lower() in ("1", "true", "yes", "on")
+                continue
+            try:
+                values[f.name] = _kind(f)(env_value)
+            except ValueError:
+                parser.error(f"PSWORKER_{f.name.upper()}={env_value!r} is not a valid {_kind(f).__name__}")
+    try:
+        return WorkerConfig(**values)
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -1,0 +1,214 @@
+"""The worker's training loop: its slice of the data, steps against the shards (or locally),
+progress reporting, and the final evaluation."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from psworker.api import connect
+from psworker.client import ClientOptions
+from psworker.config import WorkerConfig
+from psworker.tasks import Task, evaluate, load_task
+
+__all__ = ["DataSlice", "resolve_device", "train"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when available, else the CPU. Raises ``ValueError`` when CUDA is
+    asked for explicitly but is not available."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {name} asked for CUDA, but torch {torch.__version__} sees no CUDA device "
+            "(use --device auto to fall back to the CPU)"
+        )
+    return device
+
+
+@dataclass
+class DataSlice:
+    """Worker ``index`` of ``count``'s share of ``size`` examples: every epoch all workers draw
+    the same seeded permutation and take every ``count``-th example from position ``index``, so
+    the slices are disjoint and together cover the data. ``(epoch, position)`` is the cursor."""
+
+    size: int
+    index: int
+    count: int
+    seed: int
+    epoch: int = 0
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        self._order = self._permutation()
+
+    def _permutation(self) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.size, generator=gen)[self.index :: self.count]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """Indices of the next batch; wraps into the next epoch when the slice runs out."""
+        if self.position >= len(self._order):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._permutation()
+        batch = self._order[self.position : self.position + batch_size]
+        self.position += len(batch)
+        return batch
+
+
+class _Progress:
+    """A bar on a terminal, else a log line every ``every`` seconds."""
+
+    def __init__(self, mode: str, total: int, every: float, name: str) -> None:
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "log"
+        self.mode, self.total, self.every, self.name = mode, total, every, name
+        self.started = self.last = time.monotonic()
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=name, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, loss: float, samples: int) -> None:
+        now = time.monotonic()
+        rate = samples / max(now - self.started, 1e-9)
+        if self.bar is not None:
+            self.bar.update(1)
+            if step % 20 == 0 or step == self.total:
+                self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
+        elif self.mode == "log" and (now - self.last >= self.every or step == self.total):
+            self.last = now
+            log.info("%s step %d/%d loss %.4f samples/s %.0f", self.name, step, self.total, loss, rate)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _steps(config: WorkerConfig, task: Task, data: DataSlice, batch_size: int) -> int:
+    if config.steps is not None:
+        return config.steps
+    if config.epochs is not None:
+        return max(1, math.ceil(config.epochs * math.ceil(len(data) / batch_size)))
+    return max(1, task.defaults.steps // config.num_workers)
+
+
+def train(config: WorkerConfig) -> dict:
+    """Run the configured training and return the result record (the worker's JSON line).
+
+    Raises ``ValueError`` for bad settings and ``pswire.errors.PSError`` when the shards refuse
+    or cannot be reached.
+    """
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    task = load_task(config.task, seed=config.seed)
+    defaults = task.defaults
+    batch_size = config.batch_size or defaults.batch_size
+    opt_config = config.optimizer_config(
+        default_name=defaults.optimizer, default_lr=defaults.lr, default_momentum=defaults.momentum
+    )
+    model = task.model.to(device)
+    x_train, y_train = task.train
+    data = DataSlice(len(x_train), config.worker_index, config.num_workers, config.seed)
+    total = _steps(config, task, data, batch_size)
+
+    session = None
+    if config.local:
+        optimizer = _local_optimizer(model, opt_config)
+    else:
+        options = ClientOptions(timeout=config.rpc_timeout, connect_timeout=config.connect_timeout)
+        session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options)
+        model, optimizer = session.prepare(model, opt_config)
+    log.info(
+        "%s: task %s on %s, %d steps of batch %d, %s lr %g, %s",
+        config.name, config.task, device, total, batch_size, opt_config.name, opt_config.lr,
+        "local" if config.local else f"{len(session.client.addresses)} shard(s)",
+    )
+
+    progress = _Progress(config.progress, total, config.log_every, config.name)
+    recent: list[float] = []
+    samples = 0
+    started = time.monotonic()
+    try:
+        model.train()
+        for step in range(1, total + 1):
+            idx = data.next_batch(batch_size)
+            x, y = x_train[idx].to(device, non_blocking=True), y_train[idx].to(device, non_blocking=True)
+            loss = task.loss_fn(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss became {value} at step {step}: lower --lr")
+            recent = (recent + [value])[-20:]
+            samples += len(idx)
+            progress.update(step, value, samples)
+        seconds = time.monotonic() - started
+        if session is not None:
+            session.pull()  # the newest weights, including other workers' pushes since our last step
+        metrics = evaluate(model, task)
+    finally:
+        progress.close()
+        if session is not None:
+            session.close()
+    return {
+        "task": config.task,
+        "mode": "local" if config.local else "async",
+        "worker": config.name,
+        "worker_index": config.worker_index,
+        "num_workers": config.num_workers,
+        "device": str(device),
+        "steps": total,
+        "samples": samples,
+        "seconds": round(seconds, 3),
+        "samples_per_second": round(samples / max(seconds, 1e-9), 1),
+        "final_loss": sum(recent) / len(recent),
+        **metrics,
+    }
+
+
+def _local_optimizer(model: torch.nn.Module, c) -> torch.optim.Optimizer:
+    params = model.parameters()
+    if c.name == "sgd":
+        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, dampening=c.dampening,
+                               nesterov=c.nesterov, weight_decay=c.weight_decay)
+    if c.name == "adam":
+        return torch.optim.Adam(params, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+                                weight_decay=c.weight_decay, amsgrad=c.amsgrad)
+    return torch.optim.Adagrad(params, lr=c.lr, lr_decay=c.lr_decay, weight_decay=c.weight_decay,
+                               eps=c.eps, initial_accumulator_value=c.initial_accumulator_value)
+
+
+def evaluate_job(ps: str, task_spec: str, *, seed: int = 0, options: ClientOptions | None = None) -> dict:
+    """Pull the job's current weights (without joining it) and evaluate them on the task's test
+    split. Raises ``PreconditionError`` when the shards hold a different model."""
+    from pswire.errors import PreconditionError
+    from pswire.placement import model_spec
+    from psworker.client import PSClient
+
+    task = load_task(task_spec, seed=seed)
+    params = {name: p.data for name, p in task.model.named_parameters()}
+    with PSClient(ps, options) as client:
+        client.wait_connected()
+        placement = client.set_placement(model_spec(params.items()))
+        digests = {s.placement_digest for s in client.status()}
+        if digests != {placement.digest()}:
+            raise PreconditionError(f"the shards hold a different model than task {task_spec!r}")
+        client.pull(params, skip_unchanged=False)
+    return evaluate(task.model, task)
