@@ -1,0 +1,83 @@
+"""``psctl``: operator view of a job's shards.
+
+    psctl status --ps HOST:PORT[,HOST:PORT...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from pswire.errors import PSError
+from psworker.client import ClientOptions, PSClient
+
+__all__ = ["main"]
+
+
+def _status(ps: str, timeout: float) -> list[dict]:
+    with PSClient(ps, ClientOptions(timeout=timeout, connect_timeout=timeout)) as client:
+        client.wait_connected()
+        return [_plain(s) for s in client.status()]
+
+
+def _plain(message) -> dict:
+    """A message as plain JSON values (protobuf's JSON mapping writes int64 as strings)."""
+    out = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.type == field.TYPE_MESSAGE:
+            if field.is_repeated:
+                value = [_plain(v) for v in value]
+            else:
+                value = _plain(value) if message.HasField(field.name) else None
+        elif field.type == field.TYPE_ENUM:
+            names = field.enum_type.values_by_number
+            value = [names[v].name for v in value] if field.is_repeated else names[value].name
+        elif field.is_repeated:
+            value = list(value)
+        out[field.name] = value
+    return out
+
+
+def _table(shards: list[dict]) -> str:
+    cols = ("shard", "address", "state", "variables", "bytes", "opt_bytes", "version",
+            "workers", "applied", "rejected", "max_stale")
+    rows = [cols]
+    for i, s in enumerate(shards):
+        rows.append((
+            f"{s['shard_index']}/{s['num_shards']}" if s["num_shards"] else f"?{i}",
+            s["address"], s["state"], str(s["num_variables"]), str(s["bytes_held"]),
+            str(s["optimizer_state_bytes"]), str(s["version"]), str(len(s["workers"])),
+            str(s["pushes_applied"]), str(s["pushes_rejected"]), str(s["max_staleness"]),
+        ))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    for s in shards:
+        opt = s.get("optimizer") or {}
+        names = ", ".join(f"{w['worker_name']}(gen {w['generation']}, {w['pushes']} pushes)" for w in s["workers"])
+        lines.append(f"{s['address']}: optimizer {opt.get('name', '-')} lr {opt.get('lr', '-')}; "
+                     f"workers: {names or 'none'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="psctl", description="Inspect parameter-server shards.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="per shard: variables, bytes, version, workers, pushes")
+    status.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...]")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default: 10)")
+    args = parser.parse_args(argv)
+    try:
+        shards = _status(args.ps, args.timeout)
+    except (PSError, ValueError) as exc:
+        print(f"psctl: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(shards, indent=2) if args.json else _table(shards))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

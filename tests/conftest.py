@@ -1,0 +1,88 @@
+"""Fixtures that start real ``psserver`` processes on ports chosen at run time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env() -> dict[str, str]:
+    # One torch thread per process: the tests run shards and workers side by side on few cores.
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+@dataclass
+class ShardProcess:
+    popen: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=15)
+
+
+def start_shard(directory: Path, name: str, *extra: str, timeout: float = 60.0) -> ShardProcess:
+    """Start ``psserver --port 0`` and wait (with a deadline) until it reports its port."""
+    port_file = directory / f"{name}.port"
+    log_path = directory / f"{name}.log"
+    with open(log_path, "w") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "psserver", "--port", "0", "--port-file", str(port_file), *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT,
+        )
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        try:
+            popen.wait(timeout=0.1)  # returns early only if the shard died
+        except subprocess.TimeoutExpired:
+            pass
+        else:
+            raise RuntimeError(f"{name} exited with {popen.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            popen.kill()
+            raise TimeoutError(f"{name} did not report a port within {timeout}s:\n{log_path.read_text()}")
+    return ShardProcess(popen, int(port_file.read_text()), log_path)
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """A factory: ``shards(n, *flags)`` starts n shards; all are stopped after the test."""
+    started: list[ShardProcess] = []
+
+    def make(n: int, *extra: str) -> list[ShardProcess]:
+        new = [start_shard(tmp_path, f"shard{len(started) + i}", *extra) for i in range(n)]
+        started.extend(new)
+        return new
+
+    yield make
+    for shard in started:
+        shard.stop()
+
+
+def run_cli(*argv: str, timeout: float = 300.0, **kw) -> subprocess.CompletedProcess:
+    """Run a console entry point module (``psworker``, ``psctl`` ...) to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", *argv], capture_output=True, text=True, timeout=timeout,
+        env=child_env(), cwd=ROOT, **kw,
+    )
