@@ -48,7 +48,9 @@ class Shard:
 
 def create_server(config: ServerConfig, *, store: ShardStore | None = None) -> Shard:
     """Build, bind and start a shard. Raises ``RuntimeError`` if the address cannot be bound."""
-    store = store or ShardStore(init_timeout=config.init_timeout)
+    store = store or ShardStore(
+        init_timeout=config.init_timeout, max_waiting_pulls=max(1, config.threads - 2)
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psserver"),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,

@@ -107,7 +107,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             header, parts, grads = self._receive(request_iterator, initialize=False)
             version, staleness = self._store.apply_push(
-                header.worker_id, header.generation, header.base_version, parts, grads
+                header.worker_id, header.generation, header.sequence, header.base_version, parts, grads
             )
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()

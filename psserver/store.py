@@ -73,6 +73,9 @@ class _Worker:
     generation: int
     pushes: int = 0
     last_seen: float = field(default_factory=time.time)
+    applied: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Sequence -> (version, staleness) of this generation's recent pushes, oldest first."""
+    max_sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,18 @@ class ShardStore:
     """
 
     def __init__(
-        self, *, init_timeout: float = 60.0, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        init_timeout: float = 60.0,
+        max_waiting_pulls: int = 8,
+        dedupe_window: int = 64,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._init_timeout = init_timeout
+        # A pull waiting for initialisation parks a handler thread; capping them leaves threads
+        # free for the Initialize that releases them (pulls beyond the cap retry on UNAVAILABLE).
+        self._max_waiting_pulls = max_waiting_pulls
+        self._dedupe_window = dedupe_window
         self._clock = clock
         self._started = clock()
         self._lock = threading.Lock()
@@ -110,6 +122,7 @@ class ShardStore:
         self._workers: dict[str, _Worker] = {}
         self._next_worker_id = 1
         self._version = 0
+        self._waiting_pulls = 0
         self._pushes_received = 0
         self._pushes_applied = 0
         self._pushes_rejected = 0
@@ -148,6 +161,8 @@ class ShardStore:
                 self._workers[reg.worker_name] = worker
             else:
                 worker.generation += 1
+                worker.applied.clear()  # sequences restart with each generation
+                worker.max_sequence = 0
             worker.last_seen = time.time()
             must_init = False
             if self._state is ShardState.INITIALIZING:
@@ -240,12 +255,14 @@ class ShardStore:
         self,
         worker_id: int,
         generation: int,
+        sequence: int,
         base_version: int,
         parts: Sequence[Part],
         grads: Sequence[torch.Tensor],
     ) -> tuple[int, int]:
         """Apply one push atomically: every part's update, or none. Returns ``(version,
-        staleness)``. Raises ``InvalidArgumentError`` for non-finite gradients or a base version
+        staleness)``. A push whose ``sequence`` this worker generation already had applied is
+        acknowledged again (with its original reply when still remembered) and not re-applied. Raises ``InvalidArgumentError`` for non-finite gradients or a base version
         from the future, ``NotReadyError`` before initialisation, ``PreconditionError`` for an
         unknown worker or a stale generation."""
         for part, grad in zip(parts, grads, strict=True):
@@ -255,6 +272,9 @@ class ShardStore:
             if self._state is not ShardState.READY:
                 raise NotReadyError("this shard is not initialised yet")
             worker = self._check_worker(worker_id, generation)
+            if 0 < sequence <= worker.max_sequence:
+                log.info("push %d of %s already applied; acknowledged again", sequence, worker.name)
+                return worker.applied.get(sequence, (self._version, 0))
             if base_version > self._version or base_version < 0:
                 raise InvalidArgumentError(
                     f"base version {base_version} is not a version of this shard (now {self._version})"
@@ -269,6 +289,11 @@ class ShardStore:
             self._pushes_applied += 1
             self._max_staleness = max(self._max_staleness, staleness)
             worker.pushes += 1
+            if sequence > 0:
+                worker.max_sequence = sequence
+                worker.applied[sequence] = (self._version, staleness)
+                if len(worker.applied) > self._dedupe_window:
+                    del worker.applied[next(iter(worker.applied))]
             return self._version, staleness
 
     def note_rejected(self) -> None:
@@ -288,8 +313,22 @@ class ShardStore:
         self, known_versions: Mapping[str, int], *, chunk_bytes: int, timeout: float
     ) -> tuple[int, list[PulledPart]]:
         """A consistent snapshot of every part, cut into chunks; parts whose version equals
-        ``known_versions[key]`` are skipped. Waits up to ``timeout`` for initialisation."""
-        self.wait_ready(timeout)
+        ``known_versions[key]`` are skipped. Waits up to ``timeout`` for initialisation; raises
+        ``NotReadyError`` at once when too many pulls are waiting already."""
+        with self._lock:
+            ready = self._state is ShardState.READY
+            if not ready:
+                if self._waiting_pulls >= self._max_waiting_pulls:
+                    raise NotReadyError(
+                        f"shard not initialised yet ({self._waiting_pulls} pulls already waiting); retry"
+                    )
+                self._waiting_pulls += 1
+        if not ready:
+            try:
+                self.wait_ready(timeout)
+            finally:
+                with self._lock:
+                    self._waiting_pulls -= 1
         with self._lock:
             out = []
             for key, slot in self._slots.items():

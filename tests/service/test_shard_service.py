@@ -21,7 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.config import ServerConfig
-from psserver.server import create_server
+from psserver.server import Shard, create_server
 from psserver.store import Registration, ShardStore
 from pswire import errors
 from pswire.codec import Part, iter_chunks, tensor_bytes
@@ -113,7 +113,7 @@ def register(stub, name: str = "worker-0", **overrides) -> tuple[Worker, ps_pb2.
 
 
 def header(
-    worker: Worker, specs: Sequence[ps_pb2.PartSpec], *, base_version: int = 0, sequence: int = 1
+    worker: Worker, specs: Sequence[ps_pb2.PartSpec], *, base_version: int = 0, sequence: int = 0
 ) -> ps_pb2.TensorMessage:
     return ps_pb2.TensorMessage(header=ps_pb2.TensorHeader(
         worker_id=worker.worker_id, generation=worker.generation, sequence=sequence,
@@ -129,7 +129,7 @@ def chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int = CHUNK) -> list[ps
 
 
 def stream(
-    worker: Worker, tensors: Mapping[str, torch.Tensor], *, base_version: int = 0, sequence: int = 1
+    worker: Worker, tensors: Mapping[str, torch.Tensor], *, base_version: int = 0, sequence: int = 0
 ) -> list[ps_pb2.TensorMessage]:
     """A well-formed Initialize/Push stream of ``tensors`` (part key -> value)."""
     specs = [PART[k].to_proto() for k in tensors]
@@ -189,7 +189,7 @@ def make_shard():
     """A factory of in-process shards on port 0; every one is stopped after the test."""
     started = []
 
-    def make(*, store: ShardStore | None = None, **config) -> object:
+    def make(*, store: ShardStore | None = None, **config) -> Shard:
         shard = create_server(ServerConfig(port=0, **config), store=store)
         started.append(shard)
         return shard
@@ -227,7 +227,7 @@ def stub(shard, open_stub):
 class Ready:
     """A shard that is registered, initialised and has applied one push (version 1)."""
 
-    shard: object
+    shard: Shard
     stub: ps_pb2_grpc.ParameterServerStub
     worker: Worker
     values: dict[str, torch.Tensor]
@@ -242,7 +242,9 @@ def ready(shard, stub) -> Ready:
     return Ready(shard, stub, worker, sgd_step(INITIAL, GRADS))
 
 
-def assert_unchanged_and_serving(job: Ready, before: Pulled, before_status: ps_pb2.StatusResponse, *, rejected: int) -> None:
+def assert_unchanged_and_serving(
+    job: Ready, before: Pulled, before_status: ps_pb2.StatusResponse, *, rejected: int
+) -> None:
     """The refused call changed nothing, was counted, and a valid push still succeeds."""
     after = pull(job.stub)
     assert after.snapshot() == before.snapshot()
@@ -387,15 +389,29 @@ def test_large_parts_move_in_chunks_and_split_across_two_shards(make_shard, open
 
 
 class _ObservedStore(ShardStore):
-    """Tells the test when a pull has started waiting for initialisation (instead of a sleep)."""
+    """Tells the test what the servicer is doing (instead of sleeping and hoping)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
         self.pull_waiting = threading.Event()
+        self.upload_started = threading.Event()
+        self._observed = threading.Condition()  # guards _waiters
+        self._waiters = 0
 
     def wait_ready(self, timeout: float) -> None:
+        with self._observed:
+            self._waiters += 1
+            self._observed.notify_all()
         self.pull_waiting.set()
         super().wait_ready(timeout)
+
+    def upload_parts(self, header_parts, *, initialize):
+        self.upload_started.set()
+        return super().upload_parts(header_parts, initialize=initialize)
+
+    def wait_for_waiters(self, n: int, timeout: float) -> bool:
+        with self._observed:
+            return self._observed.wait_for(lambda: self._waiters >= n, timeout=timeout)
 
 
 def test_pull_before_initialisation_waits_then_succeeds(make_shard, open_stub):
@@ -499,7 +515,9 @@ W_CHUNKS = chunks([GRADS["w"]])  # 32 bytes in 4 chunks of 8
 FLOAT32 = ps_pb2.FLOAT32
 
 
-def _spec(name: str, shape: Sequence[int], dtype: int = FLOAT32, rows: tuple[int, int] | None = None) -> ps_pb2.PartSpec:
+def _spec(
+    name: str, shape: Sequence[int], dtype: int = FLOAT32, rows: tuple[int, int] | None = None
+) -> ps_pb2.PartSpec:
     start, end = rows if rows is not None else (0, shape[0] if shape else 1)
     return ps_pb2.PartSpec(name=name, full_shape=list(shape), dtype=dtype, row_start=start, row_end=end)
 
@@ -610,7 +628,7 @@ BAD_PUSHES: dict[str, tuple[Callable[[Worker, int], list], tuple[str, ...]]] = {
 def test_bad_push_is_invalid_argument_and_changes_nothing(ready, case):
     build, needles = BAD_PUSHES[case]
     before, before_status = pull(ready.stub), status(ready.stub)
-    assert before.version == 1
+    assert (before.version, before.data) == (1, raw(ready.values))
     messages = build(ready.worker, before.version)
     expect_rpc_error(lambda: ready.stub.Push(iter(messages), timeout=RPC_TIMEOUT),
                      grpc.StatusCode.INVALID_ARGUMENT, *needles)
@@ -704,9 +722,9 @@ MALFORMED_REGISTERS: dict[str, tuple[dict, tuple[str, ...]]] = {
 def test_refused_register_leaves_the_job_unchanged(ready, case, code):
     overrides, needles = {**REGISTER_MISMATCHES, **MALFORMED_REGISTERS}[case]
     before, before_status = pull(ready.stub), status(ready.stub)
-    fields = {"name": "worker-0", **overrides}
-    name = fields.pop("worker_name", fields.pop("name"))
-    # The registered worker's own name: a refused register must not cost it its generation.
+    fields = dict(overrides)
+    # By default the registered worker's own name: a refused register must not cost it its generation.
+    name = fields.pop("worker_name", "worker-0")
     expect_rpc_error(lambda: register(ready.stub, name, **fields), code, *needles)
     st = status(ready.stub)
     assert list(st.parts) == list(before_status.parts)
@@ -722,7 +740,8 @@ def test_mismatching_register_before_initialisation_keeps_the_first_job(stub):
     expect_rpc_error(lambda: register(stub, "worker-1", job_fingerprint="job-b"),
                      grpc.StatusCode.FAILED_PRECONDITION, "'job-b'")
     st = status(stub)
-    assert (st.state, st.job_fingerprint, workers_of(st)) == ("initializing", JOB, [(worker.worker_id, "worker-0", 1, 0)])
+    assert (st.state, st.job_fingerprint) == ("initializing", JOB)
+    assert workers_of(st) == [(worker.worker_id, "worker-0", 1, 0)]
     _, reply = register(stub, "worker-1")
     assert not reply.must_initialize
     assert initialize(stub, worker).applied
@@ -838,3 +857,130 @@ def test_psclient_register_mismatch_is_a_precondition_error(ready):
     message = str(info.value)
     assert ready.shard.address in message and "'w'" in message
     assert "[4, 2]" in message and "[4, 3]" in message
+
+
+# -- concurrency and dropped streams ---------------------------------------------------------
+
+
+def test_concurrent_pushes_lose_no_update_and_pulls_see_whole_pushes(ready):
+    """Pushes from several workers at once, with pulls in between: every push is applied exactly
+    once, and every pulled snapshot is the state after exactly ``version`` pushes (never half)."""
+    pushers, per_pusher = 4, 10
+    total = 1 + pushers * per_pusher
+    state, states = dict(INITIAL), [raw(INITIAL)]  # states[v]: the bytes after v pushes
+    for _ in range(total):
+        state = sgd_step(state, GRADS)
+        states.append(raw(state))
+    workers = [register(ready.stub, f"pusher-{i}")[0] for i in range(pushers)]
+    done = threading.Event()
+
+    def push_many(worker: Worker) -> list[ps_pb2.PushResponse]:
+        return [push(ready.stub, worker, GRADS, base_version=1) for _ in range(per_pusher)]
+
+    def pull_until_done() -> int:
+        seen = 0
+        while not done.is_set() or seen == 0:
+            pulled = pull(ready.stub)
+            assert pulled.data == states[pulled.version]
+            assert all(p.version == pulled.version for p in pulled.parts.values())
+            seen += 1
+        return seen
+
+    with futures.ThreadPoolExecutor(max_workers=pushers + 2) as pool:
+        pulls = [pool.submit(pull_until_done) for _ in range(2)]
+        pushes = [pool.submit(push_many, w) for w in workers]
+        try:
+            replies = [r for f in pushes for r in f.result(timeout=RPC_TIMEOUT * 3)]
+        finally:
+            done.set()
+        assert all(f.result(timeout=RPC_TIMEOUT * 3) > 0 for f in pulls)
+
+    assert sorted(r.version for r in replies) == list(range(2, total + 1))
+    assert all(r.staleness == r.version - 2 for r in replies)  # every push was based on version 1
+    final = pull(ready.stub)
+    assert (final.version, final.data) == (total, states[total])
+    st = status(ready.stub)
+    assert (st.pushes_applied, st.pushes_rejected, st.max_staleness) == (total, 0, total - 2)
+
+
+def test_concurrent_initialize_applies_exactly_one_upload_whole(stub):
+    first, _ = register(stub, "worker-0")
+    second, _ = register(stub, "worker-1")
+    other = {k: v + 16 for k, v in INITIAL.items()}
+    with futures.ThreadPoolExecutor(max_workers=2) as pool:
+        a = pool.submit(initialize, stub, first, INITIAL)
+        b = pool.submit(initialize, stub, second, other)
+        applied = [a.result(timeout=RPC_TIMEOUT).applied, b.result(timeout=RPC_TIMEOUT).applied]
+    assert sorted(applied) == [False, True]
+    assert pull(stub).data == raw(INITIAL if applied[0] else other)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "deadline"])
+def test_dropped_push_stream_leaves_shard_unchanged(make_shard, open_stub, how):
+    store = _ObservedStore()
+    shard = make_shard(store=store)
+    stub = open_stub(shard.address)
+    worker, _ = register(stub)
+    assert initialize(stub, worker).applied
+    before, before_status = pull(stub), status(stub)
+    release = threading.Event()
+
+    def partial_stream():
+        # Everything but the last chunk, then the client goes quiet until the call is dropped.
+        yield from stream(worker, GRADS, base_version=0)[:-1]
+        release.wait(timeout=RPC_TIMEOUT)
+
+    call = stub.Push.future(partial_stream(), timeout=RPC_TIMEOUT if how == "cancelled" else SHORT_DEADLINE)
+    try:
+        assert store.upload_started.wait(timeout=RPC_TIMEOUT)
+        if how == "cancelled":
+            assert call.cancel()
+            with pytest.raises(grpc.FutureCancelledError):
+                call.result(timeout=RPC_TIMEOUT)
+        else:
+            with pytest.raises(grpc.RpcError) as info:
+                call.result(timeout=RPC_TIMEOUT)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        release.set()
+    assert pull(stub).snapshot() == before.snapshot()
+    assert status(stub).pushes_applied == before_status.pushes_applied
+    reply = push(stub, worker, GRADS, base_version=0)
+    assert (reply.version, reply.staleness) == (1, 0)
+    assert pull(stub).data == raw(sgd_step(INITIAL, GRADS))
+
+
+# -- exactly-once pushes and waiting pulls ------------------------------------------------
+
+
+def test_retried_push_with_same_sequence_is_applied_once(ready):
+    messages = stream(ready.worker, GRADS, base_version=1, sequence=2)
+    first = ready.stub.Push(iter(messages), timeout=RPC_TIMEOUT)
+    again = ready.stub.Push(iter(messages), timeout=RPC_TIMEOUT)  # e.g. the reply was lost
+    assert (first.version, again.version) == (2, 2)
+    assert status(ready.stub).pushes_applied == 2
+    assert pull(ready.stub).data == raw(sgd_step(ready.values, GRADS))
+
+
+def test_initialize_is_served_while_pulls_wait_for_it(make_shard, open_stub):
+    # Waiting pulls are capped below the handler threads, so the Initialize that releases them
+    # always finds a thread; a pull beyond the cap is refused at once as retryable.
+    store = _ObservedStore(max_waiting_pulls=1)
+    stub = open_stub(make_shard(store=store, threads=2, max_concurrent_rpcs=8).address)
+    worker, _ = register(stub)
+    with futures.ThreadPoolExecutor(max_workers=2) as pool:
+        waiting = [pool.submit(pull, stub, timeout=4.0) for _ in range(2)]
+        assert store.wait_for_waiters(1, timeout=RPC_TIMEOUT)
+        # Far shorter than the pulls' deadline: only served if the waiting pulls leave room.
+        reply = stub.Initialize(iter(stream(worker, INITIAL)), timeout=2.0)
+        assert reply.applied
+        outcomes = []
+        for pending in waiting:
+            try:
+                outcomes.append(pending.result(timeout=RPC_TIMEOUT).data == raw(INITIAL))
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and "already waiting" in exc.details()
+                outcomes.append("refused")
+    # The admitted pull gets the values; the other was refused or arrived after initialisation.
+    assert outcomes.count(True) >= 1 and set(outcomes) <= {True, "refused"}
+    assert pull(stub).data == raw(INITIAL)
