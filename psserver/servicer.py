@@ -12,7 +12,7 @@ from pswire import errors
 from pswire.codec import ChunkAssembler, Part
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psserver.store import Registration, ShardStore
-from pswire.wire import optimizer_from_proto, optimizer_to_proto
+from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_from_proto, optimizer_to_proto
 
 __all__ = ["ParameterServerServicer", "STATUS_CODES"]
 
@@ -61,6 +61,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 parts=tuple(Part.from_proto(p) for p in request.parts),
                 optimizer=optimizer_from_proto(request.optimizer),
                 job_fingerprint=request.job_fingerprint,
+                consistency=consistency_from_proto(request.consistency),
             )
             result = self._store.register(reg)
         except (errors.PSError, ValueError) as exc:
@@ -71,6 +72,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             generation=result.generation,
             must_initialize=result.must_initialize,
             version=result.version,
+            clock=result.clock,
+            consistency=consistency_to_proto(result.consistency),
         )
 
     def _receive(
@@ -106,27 +109,38 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Push(self, request_iterator, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         try:
             header, parts, grads = self._receive(request_iterator, initialize=False)
-            version, staleness = self._store.apply_push(
-                header.worker_id, header.generation, header.sequence, header.base_version, parts, grads
+            result = self._store.apply_push(
+                header.worker_id, header.generation, header.sequence, header.base_version, parts, grads,
+                clock=header.clock, base_clock=header.base_clock,
             )
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()
             log.warning("push refused: %s", exc)
             _abort(context, exc)
-        return ps_pb2.PushResponse(version=version, staleness=staleness)
+        return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
+
+    def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
+        try:
+            self._store.leave(request.worker_id, request.generation)
+        except (errors.PSError, ValueError) as exc:
+            _abort(context, exc)
+        return ps_pb2.LeaveResponse()
 
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullMessage]:
         remaining = context.time_remaining()
         wait = 30.0 if remaining is None else max(0.0, remaining - 0.05)
         try:
-            version, pulled = self._store.pull(
-                dict(request.known_versions), chunk_bytes=self._chunk_bytes, timeout=wait
+            snapshot = self._store.pull(
+                dict(request.known_versions), chunk_bytes=self._chunk_bytes, timeout=wait,
+                worker_id=request.worker_id, clock=request.clock if request.worker_id else -1,
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
+        pulled = snapshot.parts
         yield ps_pb2.PullMessage(
             header=ps_pb2.PullHeader(
-                version=version,
+                version=snapshot.version,
+                clock=snapshot.clock,
                 parts=[
                     ps_pb2.PulledPart(spec=p.part.to_proto(), version=p.version, included=p.chunks is not None)
                     for p in pulled
@@ -161,4 +175,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             parts=[p.to_proto() for p in s["parts"]],
             uptime_seconds=s["uptime_seconds"],
             placement_digest=s["placement_digest"],
+            consistency=consistency_to_proto(s["consistency"]) if s["consistency"] else None,
+            clock=s["clock"],
+            pushes_dropped=s["pushes_dropped"],
+            pushes_scaled=s["pushes_scaled"],
+            staleness_histogram=[
+                ps_pb2.StalenessBucket(staleness=i, count=c) for i, c in enumerate(s["staleness_histogram"])
+            ],
+            pulls_waiting=s["pulls_waiting"],
+            pull_wait_seconds=s["pull_wait_seconds"],
         )

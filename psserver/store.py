@@ -1,5 +1,6 @@
-"""One shard's state: its slice of the model's variables, their optimizer state, versions and
-workers. Pure Python and torch, no gRPC: the servicer translates requests into these calls.
+"""One shard's state: its slice of the model's variables, their optimizer state, versions,
+workers and clocks. Pure Python and torch, no gRPC: the servicer translates requests into these
+calls, and the consistency decisions come from ``psserver.consistency``.
 
 Every method either completes or raises a ``pswire.errors`` error with the state unchanged.
 """
@@ -16,13 +17,18 @@ from dataclasses import dataclass, field
 import torch
 
 from pswire.codec import Part, dtype_name, tensor_bytes
-from pswire.errors import InvalidArgumentError, NotReadyError, PreconditionError
-from pswire.optim import OptimizerConfig
+from pswire.errors import DeadlineError, InvalidArgumentError, NotReadyError, PreconditionError
+from psserver import consistency as cons
+from psserver.consistency import Mode, PushAction
+from psserver.job import Registration, check_finite, check_parts, check_same_job, fmt_bytes
 from psserver.optimizers import UpdateRule, create_update_rule
 
-__all__ = ["PulledPart", "RegisterResult", "Registration", "ShardState", "ShardStore"]
+__all__ = ["PullSnapshot", "PulledPart", "PushResult", "RegisterResult", "Registration", "ShardState", "ShardStore"]
 
 log = logging.getLogger(__name__)
+
+STALENESS_BUCKETS = 17
+"""Staleness histogram: one bucket per value 0..15, the last one for 16 and above."""
 
 
 class ShardState(enum.Enum):
@@ -31,23 +37,21 @@ class ShardState(enum.Enum):
     READY = "ready"
 
 
-@dataclass(frozen=True, kw_only=True)
-class Registration:
-    worker_name: str
-    shard_index: int
-    num_shards: int
-    placement_digest: str
-    parts: tuple[Part, ...]
-    optimizer: OptimizerConfig
-    job_fingerprint: str = ""
-
-
 @dataclass(frozen=True)
 class RegisterResult:
     worker_id: int
     generation: int
     must_initialize: bool
     version: int
+    clock: int
+    consistency: cons.Consistency
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    staleness: int
+    action: PushAction
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,13 @@ class PulledPart:
     version: int
     chunks: list[bytes] | None
     """The part's bytes, cut into chunks; ``None`` when skipped as unchanged."""
+
+
+@dataclass(frozen=True)
+class PullSnapshot:
+    version: int
+    clock: int
+    parts: list[PulledPart]
 
 
 @dataclass
@@ -71,29 +82,22 @@ class _Worker:
     worker_id: int
     name: str
     generation: int
+    clock: int = 0
+    live: bool = True
     pushes: int = 0
     last_seen: float = field(default_factory=time.time)
-    applied: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Sequence -> (version, staleness) of this generation's recent pushes, oldest first."""
+    applied: dict[int, PushResult] = field(default_factory=dict)
+    """Sequence -> reply of this generation's recent pushes, oldest first (bounded)."""
     max_sequence: int = 0
-
-
-@dataclass(frozen=True)
-class _Job:
-    shard_index: int
-    num_shards: int
-    placement_digest: str
-    parts: tuple[Part, ...]
-    optimizer: OptimizerConfig
-    job_fingerprint: str
 
 
 class ShardStore:
     """The variables and optimizer state of one shard.
 
-    Locking: ``_lock`` guards every attribute below it in ``__init__``; ``_ready`` is a condition
-    on the same lock. It is held while an update is applied (so a pull never sees half of a push)
-    and while a pull's bytes are copied out, never while waiting on the network.
+    Locking: ``_lock`` guards every attribute assigned after it in ``__init__``; ``_changed``
+    is a condition on the same lock, notified whenever readiness, clocks or membership change.
+    The lock is held while an update is applied (a pull never sees half of a push) and while a
+    pull's bytes are copied out; never while waiting on the network.
     """
 
     def __init__(
@@ -105,16 +109,16 @@ class ShardStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._init_timeout = init_timeout
-        # A pull waiting for initialisation parks a handler thread; capping them leaves threads
-        # free for the Initialize that releases them (pulls beyond the cap retry on UNAVAILABLE).
+        # A waiting pull parks a handler thread; capping them leaves threads free for the pushes
+        # and the Initialize that release them (pulls beyond the cap are refused as retryable).
         self._max_waiting_pulls = max_waiting_pulls
         self._dedupe_window = dedupe_window
-        self._clock = clock
+        self._now = clock
         self._started = clock()
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._state = ShardState.EMPTY
-        self._job: _Job | None = None
+        self._job: Registration | None = None
         self._rule: UpdateRule | None = None
         self._slots: dict[str, _Slot] = {}
         self._initializer: int | None = None
@@ -122,12 +126,22 @@ class ShardStore:
         self._workers: dict[str, _Worker] = {}
         self._next_worker_id = 1
         self._version = 0
+        self._clock_floor = 0
+        # Sync mode: the clock being collected, and the running sums of its gradients.
+        self._open_clock = 0
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, int] = {}
+        self._received = 0
         self._waiting_pulls = 0
+        self._pull_wait_seconds = 0.0
         self._pushes_received = 0
         self._pushes_applied = 0
         self._pushes_rejected = 0
+        self._pushes_dropped = 0
+        self._pushes_scaled = 0
         self._pulls_served = 0
         self._max_staleness = 0
+        self._staleness_counts = [0] * STALENESS_BUCKETS
 
     # -- membership -------------------------------------------------------------------------
 
@@ -137,41 +151,52 @@ class ShardStore:
         Raises ``InvalidArgumentError`` for a malformed registration and ``PreconditionError``
         naming the first disagreement (shard index, variable shape, optimizer setting, ...).
         """
-        _check_parts(reg.parts)
+        check_parts(reg.parts)
         rule = create_update_rule(reg.optimizer)
         with self._lock:
             if self._job is None:
-                self._job = _Job(
-                    reg.shard_index, reg.num_shards, reg.placement_digest, reg.parts,
-                    reg.optimizer, reg.job_fingerprint,
-                )
-                self._rule = rule
+                self._job, self._rule = reg, rule
                 self._state = ShardState.INITIALIZING
                 log.info(
-                    "job defined by %s: shard %d of %d, %d parts, %s, optimizer %s",
+                    "job defined by %s: shard %d of %d, %d parts (%s), optimizer %s, %s",
                     reg.worker_name, reg.shard_index, reg.num_shards, len(reg.parts),
-                    _fmt_bytes(sum(p.nbytes for p in reg.parts)), reg.optimizer.name,
+                    fmt_bytes(sum(p.nbytes for p in reg.parts)), reg.optimizer.name,
+                    reg.consistency.describe(),
                 )
             else:
-                _check_same_job(self._job, reg)
+                check_same_job(self._job, reg)
+            # A (re)joining worker starts at the shard's clock, so it never holds others back.
+            start = self._current_clock()
             worker = self._workers.get(reg.worker_name)
             if worker is None:
-                worker = _Worker(self._next_worker_id, reg.worker_name, 1)
+                worker = _Worker(self._next_worker_id, reg.worker_name, 1, clock=start)
                 self._next_worker_id += 1
                 self._workers[reg.worker_name] = worker
             else:
                 worker.generation += 1
                 worker.applied.clear()  # sequences restart with each generation
                 worker.max_sequence = 0
+                worker.clock, worker.live = start, True
             worker.last_seen = time.time()
             must_init = False
             if self._state is ShardState.INITIALIZING:
-                now = self._clock()
+                now = self._now()
                 if self._initializer in (None, worker.worker_id) or now > self._init_deadline:
                     self._initializer = worker.worker_id
                     self._init_deadline = now + self._init_timeout
                     must_init = True
-            return RegisterResult(worker.worker_id, worker.generation, must_init, self._version)
+            self._changed.notify_all()
+            return RegisterResult(
+                worker.worker_id, worker.generation, must_init, self._version, start, self._job.consistency
+            )
+
+    def leave(self, worker_id: int, generation: int) -> None:
+        """A worker leaves the job: it stops counting for SSP/sync membership at once."""
+        with self._lock:
+            worker = self._check_worker(worker_id, generation)
+            worker.live = False
+            log.info("%s left the job at clock %d", worker.name, worker.clock)
+            self._membership_changed()
 
     def _check_worker(self, worker_id: int, generation: int) -> _Worker:
         # Caller holds _lock.
@@ -182,24 +207,47 @@ class ShardStore:
                         f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
                         f"but its current generation is {worker.generation}: re-register"
                     )
+                if not worker.live:
+                    raise PreconditionError(f"worker {worker.name!r} left the job: re-register")
                 worker.last_seen = time.time()
                 return worker
         raise PreconditionError(f"worker id {worker_id} is not registered with this shard: register first")
+
+    def _member_clocks(self) -> dict[str, int]:
+        return {w.name: w.clock for w in self._workers.values() if w.live}
+
+    def _current_clock(self) -> int:
+        # Caller holds _lock. Sync counts applied clocks; SSP/async the slowest live member.
+        if self._job is not None and self._job.consistency.mode is Mode.SYNC:
+            return self._open_clock
+        return cons.shard_clock(self._member_clocks(), self._clock_floor)
+
+    def _membership_changed(self) -> None:
+        # Caller holds _lock. A clock may have advanced, or a sync quorum been reached.
+        self._clock_floor = self._current_clock()
+        job = self._job
+        if job is not None and job.consistency.mode is Mode.SYNC and self._received:
+            live = sum(w.live for w in self._workers.values())
+            if self._received >= cons.sync_quorum(job.consistency, live):
+                self._apply_aggregate()
+        self._changed.notify_all()
 
     # -- uploads ----------------------------------------------------------------------------
 
     def upload_parts(self, header_parts: Sequence[Part], *, initialize: bool) -> list[Part]:
         """Validate the parts an Initialize or Push stream announces, before any bytes arrive.
 
-        An initialisation must list every part of the shard, in order; a push lists a subset of
-        them without repeats. Raises ``InvalidArgumentError`` naming the offending variable, or
-        ``NotReadyError`` / ``PreconditionError`` when the shard has no job yet.
+        An initialisation lists every part of the shard, in order; a push lists a subset of
+        them without repeats (none at all only in ssp/sync, where it just advances the clock).
+        Raises ``InvalidArgumentError`` naming the offending variable, or ``PreconditionError``
+        when the shard has no job yet.
         """
         with self._lock:
             if self._job is None:
                 raise PreconditionError("this shard has no job yet: register first")
             expected = {p.key: p for p in self._job.parts}
-        if not header_parts:
+            clock_only_ok = not initialize and self._job.consistency.mode is not Mode.ASYNC
+        if not header_parts and not clock_only_ok:
             raise InvalidArgumentError("the request names no variables")
         seen: set[str] = set()
         for part in header_parts:
@@ -210,21 +258,17 @@ class ShardStore:
                 raise InvalidArgumentError(f"unknown variable {part.key!r} on this shard{where}")
             if part.dtype != known.dtype:
                 raise InvalidArgumentError(
-                    f"variable {part.key!r} has dtype {dtype_name(known.dtype)}, "
-                    f"got {dtype_name(part.dtype)}"
+                    f"variable {part.key!r} has dtype {dtype_name(known.dtype)}, got {dtype_name(part.dtype)}"
                 )
             if part.full_shape != known.full_shape:
                 raise InvalidArgumentError(
-                    f"variable {part.key!r} has shape {list(known.full_shape)}, "
-                    f"got {list(part.full_shape)}"
+                    f"variable {part.key!r} has shape {list(known.full_shape)}, got {list(part.full_shape)}"
                 )
             if part.key in seen:
                 raise InvalidArgumentError(f"variable {part.key!r} is listed twice")
             seen.add(part.key)
         if initialize and [p.key for p in header_parts] != list(expected):
-            raise InvalidArgumentError(
-                "initialisation must list every variable of the shard in placement order"
-            )
+            raise InvalidArgumentError("initialisation must list every variable of the shard in placement order")
         return [expected[p.key] for p in header_parts]
 
     def initialize(self, worker_id: int, generation: int, values: Sequence[torch.Tensor]) -> tuple[bool, int]:
@@ -236,18 +280,17 @@ class ShardStore:
         if job is None:
             raise PreconditionError("this shard has no job yet: register first")
         for part, value in zip(job.parts, values, strict=True):
-            _check_finite(part, value, "initial value")
+            check_finite(part, value, "initial value")
         with self._lock:
             self._check_worker(worker_id, generation)
             if self._state is ShardState.READY:
                 return False, self._version
             assert self._rule is not None
             self._slots = {
-                part.key: _Slot(part, value, self._rule.init_state(value))
-                for part, value in zip(job.parts, values)
+                part.key: _Slot(part, value, self._rule.init_state(value)) for part, value in zip(job.parts, values)
             }
             self._state = ShardState.READY
-            self._ready.notify_all()
+            self._changed.notify_all()
             log.info("initialised %d parts by worker id %d", len(self._slots), worker_id)
             return True, self._version
 
@@ -259,42 +302,102 @@ class ShardStore:
         base_version: int,
         parts: Sequence[Part],
         grads: Sequence[torch.Tensor],
-    ) -> tuple[int, int]:
-        """Apply one push atomically: every part's update, or none. Returns ``(version,
-        staleness)``. A push whose ``sequence`` this worker generation already had applied is
-        acknowledged again (with its original reply when still remembered) and not re-applied. Raises ``InvalidArgumentError`` for non-finite gradients or a base version
-        from the future, ``NotReadyError`` before initialisation, ``PreconditionError`` for an
-        unknown worker or a stale generation."""
+        *,
+        clock: int = 0,
+        base_clock: int = 0,
+    ) -> PushResult:
+        """Handle one push atomically per the job's consistency: apply it (every part or none),
+        scale it, drop it, or add it to the open sync clock.
+
+        A push whose ``sequence`` this worker generation already had handled is acknowledged
+        again with its original reply and not re-applied. Raises ``InvalidArgumentError`` for
+        non-finite gradients or versions/clocks that cannot be, ``NotReadyError`` before
+        initialisation, ``PreconditionError`` for an unknown, departed or stale-generation worker.
+        """
         for part, grad in zip(parts, grads, strict=True):
-            _check_finite(part, grad, "gradient")
+            check_finite(part, grad, "gradient")
         with self._lock:
             self._pushes_received += 1
             if self._state is not ShardState.READY:
                 raise NotReadyError("this shard is not initialised yet")
             worker = self._check_worker(worker_id, generation)
             if 0 < sequence <= worker.max_sequence:
-                log.info("push %d of %s already applied; acknowledged again", sequence, worker.name)
-                return worker.applied.get(sequence, (self._version, 0))
-            if base_version > self._version or base_version < 0:
+                log.info("push %d of %s already handled; acknowledged again", sequence, worker.name)
+                return worker.applied.get(sequence, PushResult(self._version, 0, PushAction.APPLY))
+            job = self._job
+            assert job is not None and self._rule is not None
+            mode = job.consistency.mode
+            if not 0 <= base_version <= self._version:
                 raise InvalidArgumentError(
                     f"base version {base_version} is not a version of this shard (now {self._version})"
                 )
-            assert self._rule is not None
-            staleness = self._version - base_version
-            self._version += 1
-            for part, grad in zip(parts, grads):
-                slot = self._slots[part.key]
-                self._rule.apply(slot.value, grad, slot.state)
-                slot.version = self._version
-            self._pushes_applied += 1
-            self._max_staleness = max(self._max_staleness, staleness)
+            shard_clock = self._current_clock()
+            if mode is not Mode.ASYNC and not 0 <= base_clock <= shard_clock:
+                raise InvalidArgumentError(f"base clock {base_clock} is not a clock of this shard (now {shard_clock})")
+            if mode is not Mode.ASYNC and clock < worker.clock:
+                raise InvalidArgumentError(f"push for clock {clock}, but {worker.name} is already at clock {worker.clock}")
+            staleness = self._version - base_version if mode is Mode.ASYNC else shard_clock - base_clock
+            live = sum(w.live for w in self._workers.values())
+            decision = cons.decide_push(
+                job.consistency, staleness, push_clock=clock, open_clock=self._open_clock,
+                received=self._received, quorum=cons.sync_quorum(job.consistency, live),
+            )
+            if decision.action is PushAction.ACCUMULATE:
+                self._accumulate(parts, grads)
+            elif decision.action is PushAction.DROP:
+                self._pushes_dropped += 1
+                log.debug("push of %s dropped: %s", worker.name, decision.reason)
+            elif parts:  # a push with no parts only advances the worker's clock
+                self._version += 1
+                for part, grad in zip(parts, grads):
+                    slot = self._slots[part.key]
+                    self._rule.apply(slot.value, grad, slot.state, lr_scale=decision.lr_scale)
+                    slot.version = self._version
+                self._pushes_applied += 1
+                self._pushes_scaled += decision.action is PushAction.SCALE
+                self._record_staleness(staleness)
             worker.pushes += 1
+            worker.clock = max(worker.clock, clock + 1)
+            result = PushResult(self._version, staleness, decision.action)
             if sequence > 0:
                 worker.max_sequence = sequence
-                worker.applied[sequence] = (self._version, staleness)
+                worker.applied[sequence] = result
                 if len(worker.applied) > self._dedupe_window:
                     del worker.applied[next(iter(worker.applied))]
-            return self._version, staleness
+            if mode is not Mode.ASYNC:
+                self._membership_changed()
+            return result
+
+    def _accumulate(self, parts: Sequence[Part], grads: Sequence[torch.Tensor]) -> None:
+        # Caller holds _lock. Sums are kept per part; the mean divides by that part's count.
+        for part, grad in zip(parts, grads):
+            total = self._sums.get(part.key)
+            if total is None:
+                self._sums[part.key] = grad.clone()
+            else:
+                total.add_(grad)
+            self._counts[part.key] = self._counts.get(part.key, 0) + 1
+        self._received += 1
+
+    def _apply_aggregate(self) -> None:
+        # Caller holds _lock. One update per sync clock: the mean of the gradients received.
+        assert self._rule is not None
+        self._version += 1
+        for key, total in self._sums.items():
+            count = self._counts[key]
+            if count > 1:
+                total.div_(count)
+            slot = self._slots[key]
+            self._rule.apply(slot.value, total, slot.state)
+            slot.version = self._version
+        self._pushes_applied += 1
+        self._record_staleness(0)
+        self._sums, self._counts, self._received = {}, {}, 0
+        self._open_clock += 1
+
+    def _record_staleness(self, staleness: int) -> None:
+        self._max_staleness = max(self._max_staleness, staleness)
+        self._staleness_counts[min(staleness, STALENESS_BUCKETS - 1)] += 1
 
     def note_rejected(self) -> None:
         with self._lock:
@@ -302,34 +405,61 @@ class ShardStore:
 
     # -- reads ------------------------------------------------------------------------------
 
+    def _wait(self, ready: Callable[[], bool], deadline: float, on_timeout: Callable[[], Exception]) -> None:
+        # Caller holds _lock (through _changed). Waiting pulls are capped; see __init__.
+        if ready():
+            return
+        if self._waiting_pulls >= self._max_waiting_pulls:
+            raise NotReadyError(f"{self._waiting_pulls} pulls already waiting on this shard; retry")
+        self._waiting_pulls += 1
+        started = self._now()
+        try:
+            while not ready():
+                remaining = deadline - self._now()
+                if remaining <= 0 or not self._changed.wait(timeout=remaining):
+                    if not ready():
+                        raise on_timeout()
+        finally:
+            self._waiting_pulls -= 1
+            self._pull_wait_seconds += self._now() - started
+
     def wait_ready(self, timeout: float) -> None:
         """Block until initialised; raises ``NotReadyError`` after ``timeout`` seconds."""
-        with self._ready:
-            if not self._ready.wait_for(lambda: self._state is ShardState.READY, timeout=timeout):
-                who = f" (waiting for worker id {self._initializer})" if self._initializer else ""
-                raise NotReadyError(f"shard not initialised after {timeout:.1f}s{who}")
+        with self._changed:
+            self._wait(
+                lambda: self._state is ShardState.READY,
+                self._now() + timeout,
+                lambda: NotReadyError(
+                    f"shard not initialised after {timeout:.1f}s"
+                    + (f" (waiting for worker id {self._initializer})" if self._initializer else "")
+                ),
+            )
 
     def pull(
-        self, known_versions: Mapping[str, int], *, chunk_bytes: int, timeout: float
-    ) -> tuple[int, list[PulledPart]]:
+        self,
+        known_versions: Mapping[str, int],
+        *,
+        chunk_bytes: int,
+        timeout: float,
+        worker_id: int = 0,
+        clock: int = -1,
+    ) -> PullSnapshot:
         """A consistent snapshot of every part, cut into chunks; parts whose version equals
-        ``known_versions[key]`` are skipped. Waits up to ``timeout`` for initialisation; raises
-        ``NotReadyError`` at once when too many pulls are waiting already."""
-        with self._lock:
-            ready = self._state is ShardState.READY
-            if not ready:
-                if self._waiting_pulls >= self._max_waiting_pulls:
-                    raise NotReadyError(
-                        f"shard not initialised yet ({self._waiting_pulls} pulls already waiting); retry"
-                    )
-                self._waiting_pulls += 1
-        if not ready:
-            try:
-                self.wait_ready(timeout)
-            finally:
-                with self._lock:
-                    self._waiting_pulls -= 1
-        with self._lock:
+        ``known_versions[key]`` are skipped.
+
+        Waits up to ``timeout`` for initialisation and, for a registered worker reading at
+        ``clock >= 0`` in ssp/sync, until the consistency bound lets it read. Raises
+        ``NotReadyError`` (not initialised, or too many pulls waiting) or ``DeadlineError``
+        naming the worker it waited for.
+        """
+        deadline = self._now() + timeout
+        self.wait_ready(timeout)
+        with self._changed:
+            job = self._job
+            assert job is not None
+            name = next((w.name for w in self._workers.values() if w.worker_id == worker_id), None)
+            if clock >= 0 and name is not None and job.consistency.mode is not Mode.ASYNC:
+                self._wait_for_bound(job.consistency, name, clock, deadline)
             out = []
             for key, slot in self._slots.items():
                 if known_versions.get(key) == slot.version:
@@ -339,7 +469,23 @@ class ShardStore:
                 chunks = [bytes(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
                 out.append(PulledPart(slot.part, slot.version, chunks))
             self._pulls_served += 1
-            return self._version, out
+            return PullSnapshot(self._version, self._current_clock(), out)
+
+    def _wait_for_bound(self, consistency: cons.Consistency, name: str, clock: int, deadline: float) -> None:
+        # Caller holds _lock.
+        def decide() -> cons.PullDecision:
+            return cons.decide_pull(consistency, clock, self._member_clocks(), self._open_clock)
+
+        first = decide()
+        if first.proceed:
+            return
+        log.debug("pull of %s at clock %d waits for %s: %s", name, clock, first.waiting_for, first.reason)
+
+        def timed_out() -> Exception:
+            last = decide()
+            return DeadlineError(f"pull of {name} at clock {clock} timed out waiting for {last.waiting_for}: {last.reason}")
+
+        self._wait(lambda: decide().proceed, deadline, timed_out)
 
     def status(self) -> dict:
         """Plain-data view of the shard for ``psctl status``."""
@@ -352,85 +498,33 @@ class ShardStore:
                 "placement_digest": job.placement_digest if job else "",
                 "job_fingerprint": job.job_fingerprint if job else "",
                 "optimizer": job.optimizer if job else None,
+                "consistency": job.consistency if job else None,
                 "parts": list(job.parts) if job else [],
                 "version": self._version,
+                "clock": self._current_clock(),
                 "bytes_held": sum(p.nbytes for p in job.parts) if job else 0,
                 "optimizer_state_bytes": sum(
                     t.numel() * t.element_size() for s in self._slots.values() for t in s.state.values()
                 ),
                 "workers": [
                     {"worker_id": w.worker_id, "worker_name": w.name, "generation": w.generation,
-                     "pushes": w.pushes, "last_seen_unix": w.last_seen}
+                     "pushes": w.pushes, "last_seen_unix": w.last_seen, "clock": w.clock, "live": w.live}
                     for w in self._workers.values()
                 ],
                 "pushes_received": self._pushes_received,
                 "pushes_applied": self._pushes_applied,
                 "pushes_rejected": self._pushes_rejected,
+                "pushes_dropped": self._pushes_dropped,
+                "pushes_scaled": self._pushes_scaled,
                 "pulls_served": self._pulls_served,
+                "pulls_waiting": self._waiting_pulls,
+                "pull_wait_seconds": self._pull_wait_seconds,
                 "max_staleness": self._max_staleness,
-                "uptime_seconds": self._clock() - self._started,
+                "staleness_histogram": list(self._staleness_counts),
+                "uptime_seconds": self._now() - self._started,
             }
 
     def tensor(self, key: str) -> torch.Tensor:
         """A copy of one part's current value (for tests and tools)."""
         with self._lock:
             return self._slots[key].value.clone()
-
-
-def _check_parts(parts: Sequence[Part]) -> None:
-    if not parts:
-        raise InvalidArgumentError("registration lists no variables for this shard")
-    keys = [p.key for p in parts]
-    if len(set(keys)) != len(keys):
-        raise InvalidArgumentError("registration lists a variable twice")
-
-
-def _check_finite(part: Part, value: torch.Tensor, what: str) -> None:
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise InvalidArgumentError(f"{what} for {part.key!r} contains NaN or Inf")
-
-
-def _check_same_job(job: _Job, reg: Registration) -> None:
-    if reg.num_shards != job.num_shards or reg.shard_index != job.shard_index:
-        raise PreconditionError(
-            f"this shard is shard {job.shard_index} of {job.num_shards}, but the worker addressed "
-            f"it as shard {reg.shard_index} of {reg.num_shards}: give every worker the same "
-            "--ps list in the same order"
-        )
-    mine = {p.key: p for p in job.parts}
-    theirs = {p.key: p for p in reg.parts}
-    by_name_mine = {p.name: p for p in job.parts}
-    for part in reg.parts:
-        known = mine.get(part.key) or by_name_mine.get(part.name)
-        if known is None:
-            raise PreconditionError(f"variable {part.name!r} is not in the job's model")
-        if known.full_shape != part.full_shape or known.dtype != part.dtype:
-            raise PreconditionError(
-                f"variable {part.name!r} is {dtype_name(known.dtype)}{list(known.full_shape)} in the "
-                f"job but {dtype_name(part.dtype)}{list(part.full_shape)} in the worker's model"
-            )
-    missing = [k for k in mine if k not in theirs]
-    if missing or [p.key for p in reg.parts] != list(mine):
-        raise PreconditionError(
-            f"the worker's model lacks variable(s) {', '.join(missing) or '(order differs)'} of the job"
-        )
-    if reg.placement_digest != job.placement_digest:
-        raise PreconditionError(
-            "the worker's placement differs from the job's on another shard: its model or "
-            "shard count disagrees"
-        )
-    diffs = job.optimizer.differences(reg.optimizer)
-    if diffs:
-        raise PreconditionError("optimizer settings differ from the job's: " + "; ".join(diffs))
-    if reg.job_fingerprint != job.job_fingerprint:
-        raise PreconditionError(
-            f"job {reg.job_fingerprint!r} differs from the job this shard serves ({job.job_fingerprint!r})"
-        )
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from pswire.consistency import Consistency
 from pswire.errors import InvalidArgumentError
 from pswire.optim import OptimizerConfig
 from pswire.v1 import ps_pb2
 
-__all__ = ["optimizer_from_proto", "optimizer_to_proto"]
+__all__ = ["consistency_from_proto", "consistency_to_proto", "optimizer_from_proto", "optimizer_to_proto"]
 
 
 def optimizer_to_proto(config: OptimizerConfig) -> ps_pb2.OptimizerSettings:
@@ -22,3 +23,21 @@ def optimizer_from_proto(msg: ps_pb2.OptimizerSettings) -> OptimizerConfig:
         return OptimizerConfig(**values)
     except ValueError as exc:
         raise InvalidArgumentError(f"optimizer settings: {exc}") from None
+
+
+def consistency_to_proto(c: Consistency) -> ps_pb2.ConsistencySettings:
+    return ps_pb2.ConsistencySettings(
+        mode=c.mode.value, staleness=c.staleness, backup_workers=c.backup_workers,
+        stale_policy=c.stale_policy.value,
+    )
+
+
+def consistency_from_proto(msg: ps_pb2.ConsistencySettings) -> Consistency:
+    """An unset message means async. Raises ``InvalidArgumentError`` naming the bad setting."""
+    try:
+        return Consistency(
+            mode=msg.mode or "async", staleness=msg.staleness, backup_workers=msg.backup_workers,
+            stale_policy=msg.stale_policy or "drop",
+        )
+    except ValueError as exc:
+        raise InvalidArgumentError(f"consistency settings: {exc}") from None

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from pswire import errors
+from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
 from pswire.placement import model_spec
 from psworker.client import ClientOptions, PSClient
@@ -69,11 +70,14 @@ class Session:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | OptimizerConfig,
+        *,
+        consistency: Consistency | None = None,
     ) -> tuple[torch.nn.Module, "DistributedOptimizer"]:
         """Register ``model`` and the optimizer's settings, then load the job's weights.
 
         ``optimizer`` is a ``torch.optim`` SGD, Adam or Adagrad over the model's parameters (its
-        hyper-parameters become the job's update rule on the shards) or an ``OptimizerConfig``.
+        hyper-parameters become the job's update rule on the shards) or an ``OptimizerConfig``;
+        ``consistency`` the job's setting (default async), which every worker must share.
         Returns the same model object and a :class:`DistributedOptimizer`. Raises ``ValueError``
         for unsupported optimizers, ``PreconditionError`` when the model or settings disagree
         with the job's.
@@ -94,20 +98,22 @@ class Session:
         initial = {name: p.detach().to("cpu").contiguous() for name, p in self._params.items()}
         spec = model_spec(initial.items())
         self.initialized_job = self.client.register(
-            spec, config, worker_name=self.worker_name, job_fingerprint=self.job, initial_values=initial
+            spec, config, worker_name=self.worker_name, job_fingerprint=self.job, initial_values=initial,
+            consistency=consistency,
         )
         log.info(
-            "%s %s the job on %d shard(s): %d variables, optimizer %s lr %g",
+            "%s %s the job on %d shard(s): %d variables, optimizer %s lr %g, %s",
             self.worker_name, "initialised" if self.initialized_job else "joined",
-            self.client.num_shards, len(spec), config.name, config.lr,
+            self.client.num_shards, len(spec), config.name, config.lr, self.client.consistency.describe(),
         )
         self.pull()
         return model, DistributedOptimizer(self, optimizer if not isinstance(optimizer, OptimizerConfig) else None)
 
-    def pull(self) -> None:
-        """Load the shards' current weights into the model's parameters, in place."""
+    def pull(self, *, wait: bool = True) -> None:
+        """Load the shards' current weights into the model's parameters, in place. In ssp/sync
+        this waits as the bound requires; ``wait=False`` reads at once (e.g. to evaluate)."""
         with torch.no_grad():
-            self.client.pull(self._staging)
+            self.client.pull(self._staging, wait=wait)
             for name, param in self._params.items():
                 staged = self._staging[name]
                 if staged.data_ptr() != param.data_ptr():
@@ -138,7 +144,12 @@ class Session:
         return self.client.status()
 
     def close(self) -> None:
-        self.client.close()
+        """Leave the job (so ssp/sync peers stop waiting for this worker) and disconnect."""
+        try:
+            if self._params:
+                self.client.leave()
+        finally:
+            self.client.close()
 
     def __enter__(self) -> "Session":
         return self

@@ -15,11 +15,12 @@ import grpc
 import torch
 
 from pswire import errors
+from pswire.consistency import Consistency, Mode
 from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, Part, iter_chunks, tensor_bytes
 from pswire.optim import OptimizerConfig
 from pswire.placement import Placement, VariableSpec, place
 from pswire.v1 import ps_pb2, ps_pb2_grpc
-from pswire.wire import optimizer_to_proto
+from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_to_proto
 
 __all__ = ["ClientOptions", "PSClient", "ShardClient", "parse_addresses"]
 
@@ -32,7 +33,7 @@ _MESSAGE_LIMIT = 64 << 20
 # blindly (it would apply twice).
 _SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
-        "name": [{"service": SERVICE, "method": m} for m in ("Register", "Pull", "Status")],
+        "name": [{"service": SERVICE, "method": m} for m in ("Register", "Pull", "Status", "Leave")],
         "retryPolicy": {
             "maxAttempts": 5,
             "initialBackoff": "0.2s",
@@ -78,9 +79,11 @@ class ClientOptions:
     """Seconds to wait for every shard to accept a connection."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Size of the chunks a push or initialisation is cut into."""
+    wait_timeout: float = 600.0
+    """Seconds a pull may wait on the staleness bound (ssp/sync) before failing."""
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0 or self.min_bandwidth <= 0 or self.connect_timeout <= 0:
+        if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout) <= 0:
             raise ValueError("timeouts and min_bandwidth must be > 0")
         if not 1024 <= self.chunk_bytes < (4 << 20):
             raise ValueError("chunk_bytes must be between 1 KiB and 4 MiB")
@@ -148,13 +151,19 @@ class ShardClient:
         nbytes = sum(len(b) for b in buffers)
         return self._call(self._stub.Push, self._stream(header, buffers), nbytes=nbytes)
 
+    def leave(self, request: ps_pb2.LeaveRequest) -> None:
+        self._call(self._stub.Leave, request)
+
     def pull(
-        self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int
-    ) -> tuple[int, dict[str, int]]:
+        self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
+        *, may_wait: bool = False,
+    ) -> tuple[ps_pb2.PullHeader, dict[str, int]]:
         """Stream a snapshot into ``destinations`` (part key -> tensor of the part's shape).
-        Returns the shard version and the version of every part written."""
+        Returns the snapshot's header and the version of every part written. ``may_wait``: the
+        shard may hold the pull on the consistency bound, so the deadline allows for that."""
+        timeout = self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)
         try:
-            stream = self._stub.Pull(request, timeout=self.options.deadline(nbytes), wait_for_ready=True)
+            stream = self._stub.Pull(request, timeout=timeout, wait_for_ready=True)
             first = next(stream, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
@@ -183,7 +192,7 @@ class ShardClient:
                 chunk.part_index = index_map[chunk.part_index]
                 assembler.add(chunk)
             assembler.finish()
-            return header.version, versions
+            return header, versions
         except grpc.RpcError as exc:
             raise _translate(exc, self.address) from exc
 
@@ -199,6 +208,10 @@ class _ShardSession:
     generation: int = 0
     sequence: int = 0
     version: int = 0
+    clock: int = 0
+    """This worker's clock on the shard: the step its next push belongs to."""
+    base_clock: int = 0
+    """The shard clock of the last pull."""
     known: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Part key -> (version, data pointer of the tensor it was pulled into)."""
 
@@ -217,6 +230,8 @@ class PSClient:
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="psclient")
         self._lock = threading.Lock()  # guards _sessions and placement against concurrent step calls
         self.placement: Placement | None = None
+        self.consistency = Consistency()
+        """The job's setting, as the shards reported it at registration."""
         self._sessions: list[_ShardSession] = []
 
     @property
@@ -247,6 +262,7 @@ class PSClient:
         worker_name: str,
         job_fingerprint: str = "",
         initial_values: Mapping[str, torch.Tensor] | None = None,
+        consistency: Consistency | None = None,
     ) -> bool:
         """Join the job on every shard; upload ``initial_values`` where this worker is chosen to
         initialise. Returns True if this worker initialised at least one shard.
@@ -254,6 +270,7 @@ class PSClient:
         Raises ``PreconditionError`` when the model or settings disagree with the job's.
         """
         placement = self.set_placement(spec)
+        wanted = consistency or Consistency()
 
         def one(index: int) -> bool:
             session = self._sessions[index]
@@ -261,9 +278,12 @@ class PSClient:
                 worker_name=worker_name, shard_index=index, num_shards=self.num_shards,
                 placement_digest=placement.digest(), parts=[p.to_proto() for p in session.parts],
                 optimizer=optimizer_to_proto(optimizer), job_fingerprint=job_fingerprint,
+                consistency=consistency_to_proto(wanted),
             ))
             session.worker_id, session.generation = reply.worker_id, reply.generation
             session.version, session.sequence = reply.version, 0
+            session.clock = session.base_clock = reply.clock
+            self.consistency = consistency_from_proto(reply.consistency)
             session.known.clear()
             if not reply.must_initialize:
                 return False
@@ -281,13 +301,20 @@ class PSClient:
     def _header(self, session: _ShardSession, base_version: int, parts: Sequence[Part] | None = None) -> ps_pb2.TensorHeader:
         return ps_pb2.TensorHeader(
             worker_id=session.worker_id, generation=session.generation, sequence=session.sequence,
-            base_version=base_version, parts=[p.to_proto() for p in (parts or session.parts)],
+            base_version=base_version, parts=[p.to_proto() for p in (session.parts if parts is None else parts)],
+            clock=session.clock, base_clock=session.base_clock,
         )
 
-    def pull(self, destinations: Mapping[str, torch.Tensor], *, skip_unchanged: bool = True) -> list[int]:
+    def pull(
+        self, destinations: Mapping[str, torch.Tensor], *, skip_unchanged: bool = True, wait: bool = True
+    ) -> list[int]:
         """Write every shard's current values into ``destinations`` (variable name -> contiguous
-        CPU tensor of the full shape). Returns each shard's version."""
+        CPU tensor of the full shape). Returns each shard's version.
+
+        In ssp/sync a registered worker's pull waits as the bound requires (``wait=False`` reads
+        at once: for evaluation, never for training steps)."""
         sessions = self._require_sessions()
+        may_wait = wait and self.consistency.mode is not Mode.ASYNC
 
         def one(session: _ShardSession) -> int:
             dest = {p.key: _rows(destinations[p.name], p) for p in session.parts}
@@ -297,33 +324,73 @@ class PSClient:
                     if dest[key].data_ptr() == ptr:
                         known[key] = version
             nbytes = sum(p.nbytes for p in session.parts)
-            version, written = session.client.pull(
+            header, written = session.client.pull(
                 ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
-                                   known_versions=known),
-                dest, nbytes,
+                                   known_versions=known, clock=session.clock if may_wait else -1),
+                dest, nbytes, may_wait=may_wait,
             )
             for key, part_version in written.items():
                 session.known[key] = (part_version, dest[key].data_ptr())
-            session.version = version
-            return version
+            session.version, session.base_clock = header.version, header.clock
+            return header.version
 
-        return self._fan_out(one, sessions)
+        if not may_wait:
+            return self._fan_out(one, sessions)
+        futs = {self._pool.submit(one, s): s for s in sessions}
+        _, pending = futures.wait(futs, timeout=0.5)
+        while pending:
+            for fut in pending:
+                self._log_wait(futs[fut])
+            _, pending = futures.wait(pending, timeout=5.0)
+        return [f.result() for f in futs]
+
+    def _log_wait(self, session: _ShardSession) -> None:
+        """Say which worker a waiting pull is held back by (the slowest live one)."""
+        try:
+            status = session.client.status()
+        except errors.PSError:
+            return
+        live = [w for w in status.workers if w.live]
+        if live:
+            slowest = min(live, key=lambda w: (w.clock, w.worker_name))
+            log.info(
+                "pull at clock %d waits on shard %s (%s) for %s at clock %d",
+                session.clock, session.client.address, self.consistency.describe(),
+                slowest.worker_name, slowest.clock,
+            )
 
     def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse | None]:
         """Push gradients (variable name -> contiguous CPU tensor) to the shards holding them,
-        computed from the versions of the last pull. Shards with none of the variables are
-        skipped (``None`` in the result)."""
+        computed from the versions of the last pull. In async, shards with none of the variables
+        are skipped (``None`` in the result); in ssp/sync they get an empty push, which advances
+        this worker's clock there."""
         sessions = self._require_sessions()
+        tick_all = self.consistency.mode is not Mode.ASYNC
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
             parts = [p for p in session.parts if p.name in grads]
-            if not parts:
+            if not parts and not tick_all:
                 return None
             session.sequence += 1
             header = self._header(session, session.version, parts)
-            return session.client.push(header, [tensor_bytes(_rows(grads[p.name], p)) for p in parts])
+            reply = session.client.push(header, [tensor_bytes(_rows(grads[p.name], p)) for p in parts])
+            session.clock += 1
+            return reply
 
         return self._fan_out(one, sessions)
+
+    def leave(self) -> None:
+        """Leave the job on every shard (SSP/sync membership shrinks at once). Best effort:
+        errors are logged, not raised, as this runs on the way out."""
+        sessions = self._require_sessions()
+
+        def one(session: _ShardSession) -> None:
+            try:
+                session.client.leave(ps_pb2.LeaveRequest(worker_id=session.worker_id, generation=session.generation))
+            except errors.PSError as exc:
+                log.warning("leaving %s: %s", session.client.address, exc)
+
+        self._fan_out(one, sessions)
 
     def status(self) -> list[ps_pb2.StatusResponse]:
         return self._fan_out(lambda c: c.status(), self._clients)

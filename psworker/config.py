@@ -10,6 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pswire.consistency import Consistency
 from pswire.optim import OPTIMIZERS, OptimizerConfig
 
 __all__ = ["WorkerConfig", "build_parser", "parse_args"]
@@ -24,6 +25,13 @@ class WorkerConfig:
     ps: str = _f("", "Shard addresses, HOST:PORT[,HOST:PORT...], in the same order on every worker.")
     task: str = _f("mnist1d-mlp", "Built-in task (mnist1d-mlp, mnist1d-cnn, linreg) or package.module:function.")
     local: bool = _f(False, "Train in this process with no server (the baseline).", flag=True)
+    mode: str = _f("async", "Consistency: async (nobody waits), ssp (bounded staleness) or sync.",
+                   choices=("async", "ssp", "sync"))
+    staleness: int = _f(0, "SSP bound S in clocks (steps): a worker at clock c reads once all reached c - S.")
+    backup_workers: int = _f(0, "Sync: apply each clock once live workers - B gradients arrived.")
+    stale_policy: str = _f("drop", "SSP: a push staler than S is dropped, or scaled by lr / staleness.",
+                           choices=("drop", "scale"))
+    slowdown: float = _f(1.0, "Make this worker this many times slower (a straggler, for tests and demos).")
     steps: int | None = _f(None, "Optimizer steps of this worker (default: the task's job steps / num-workers).")
     epochs: float | None = _f(None, "Train for this many passes over this worker's data slice instead of --steps.")
     batch_size: int | None = _f(None, "Examples per step (default: the task's).")
@@ -50,6 +58,7 @@ class WorkerConfig:
     log_every: float = _f(5.0, "Seconds between progress log lines.")
     rpc_timeout: float = _f(30.0, "Deadline of a small RPC in seconds (transfers get more per byte).")
     connect_timeout: float = _f(60.0, "Seconds to wait for every shard to accept a connection.")
+    record_losses: bool = _f(False, "Include every step's loss in the JSON result (\"losses\").", flag=True)
     log_level: str = _f("INFO", "Logging level.")
 
     def __post_init__(self) -> None:
@@ -70,10 +79,20 @@ class WorkerConfig:
             )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if self.slowdown < 1.0:
+            raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")
+        self.consistency()  # validates the mode's settings
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
         if self.log_every <= 0 or self.rpc_timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError("--log-every, --rpc-timeout and --connect-timeout must be > 0")
+
+    def consistency(self) -> Consistency:
+        """The consistency setting asked for; raises ``ValueError`` when inconsistent."""
+        return Consistency(
+            mode=self.mode, staleness=self.staleness, backup_workers=self.backup_workers,
+            stale_policy=self.stale_policy,
+        )
 
     @property
     def name(self) -> str:

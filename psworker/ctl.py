@@ -42,23 +42,40 @@ def _plain(message) -> dict:
 
 
 def _table(shards: list[dict]) -> str:
-    cols = ("shard", "address", "state", "variables", "bytes", "opt_bytes", "version",
-            "workers", "applied", "rejected", "max_stale")
+    cols = ("shard", "address", "state", "variables", "bytes", "opt_bytes", "version", "clock",
+            "workers", "applied", "dropped", "scaled", "rejected", "max_stale")
     rows = [cols]
     for i, s in enumerate(shards):
         rows.append((
             f"{s['shard_index']}/{s['num_shards']}" if s["num_shards"] else f"?{i}",
             s["address"], s["state"], str(s["num_variables"]), str(s["bytes_held"]),
-            str(s["optimizer_state_bytes"]), str(s["version"]), str(len(s["workers"])),
-            str(s["pushes_applied"]), str(s["pushes_rejected"]), str(s["max_staleness"]),
+            str(s["optimizer_state_bytes"]), str(s["version"]), str(s["clock"]),
+            str(sum(w["live"] for w in s["workers"])), str(s["pushes_applied"]), str(s["pushes_dropped"]),
+            str(s["pushes_scaled"]), str(s["pushes_rejected"]), str(s["max_staleness"]),
         ))
     widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     for s in shards:
         opt = s.get("optimizer") or {}
-        names = ", ".join(f"{w['worker_name']}(gen {w['generation']}, {w['pushes']} pushes)" for w in s["workers"])
-        lines.append(f"{s['address']}: optimizer {opt.get('name', '-')} lr {opt.get('lr', '-')}; "
-                     f"workers: {names or 'none'}")
+        c = s.get("consistency") or {}
+        mode = c.get("mode") or "-"
+        if mode == "ssp":
+            mode += f" S={c['staleness']} ({c['stale_policy']} stale pushes)"
+        elif mode == "sync":
+            mode += f" backup={c['backup_workers']}"
+        names = ", ".join(
+            f"{w['worker_name']}(gen {w['generation']}, clock {w['clock']}, {w['pushes']} pushes"
+            f"{'' if w['live'] else ', left'})" for w in s["workers"]
+        )
+        hist = " ".join(
+            f"{b['staleness']}{'+' if i == len(s['staleness_histogram']) - 1 else ''}:{b['count']}"
+            for i, b in enumerate(s["staleness_histogram"]) if b["count"]
+        )
+        lines.append(
+            f"{s['address']}: mode {mode}; optimizer {opt.get('name', '-')} lr {opt.get('lr', '-')}; "
+            f"staleness histogram {hist or '-'}; pulls waited {s['pull_wait_seconds']:.1f}s; "
+            f"workers: {names or 'none'}"
+        )
     return "\n".join(lines)
 
 

@@ -133,35 +133,42 @@ def train(config: WorkerConfig) -> dict:
     else:
         options = ClientOptions(timeout=config.rpc_timeout, connect_timeout=config.connect_timeout)
         session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options)
-        model, optimizer = session.prepare(model, opt_config)
+        model, optimizer = session.prepare(model, opt_config, consistency=config.consistency())
     log.info(
         "%s: task %s on %s, %d steps of batch %d, %s lr %g, %s",
         config.name, config.task, device, total, batch_size, opt_config.name, opt_config.lr,
-        "local" if config.local else f"{len(session.client.addresses)} shard(s)",
+        "local" if config.local else f"{len(session.client.addresses)} shard(s), {session.client.consistency.describe()}",
     )
 
     progress = _Progress(config.progress, total, config.log_every, config.name)
     recent: list[float] = []
+    losses: list[float] = []
     samples = 0
     started = time.monotonic()
     try:
         model.train()
         for step in range(1, total + 1):
+            step_started = time.monotonic()
             idx = data.next_batch(batch_size)
             x, y = x_train[idx].to(device, non_blocking=True), y_train[idx].to(device, non_blocking=True)
             loss = task.loss_fn(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if config.slowdown > 1.0:
+                # A simulated straggler: stretch this step to slowdown times its real length.
+                time.sleep((config.slowdown - 1.0) * (time.monotonic() - step_started))
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss became {value} at step {step}: lower --lr")
             recent = (recent + [value])[-20:]
+            if config.record_losses:
+                losses.append(value)
             samples += len(idx)
             progress.update(step, value, samples)
         seconds = time.monotonic() - started
         if session is not None:
-            session.pull()  # the newest weights, including other workers' pushes since our last step
+            session.pull(wait=False)  # the newest weights, including other workers' pushes
         metrics = evaluate(model, task)
     finally:
         progress.close()
@@ -169,7 +176,7 @@ def train(config: WorkerConfig) -> dict:
             session.close()
     return {
         "task": config.task,
-        "mode": "local" if config.local else "async",
+        "mode": "local" if config.local else config.mode,
         "worker": config.name,
         "worker_index": config.worker_index,
         "num_workers": config.num_workers,
@@ -180,6 +187,7 @@ def train(config: WorkerConfig) -> dict:
         "samples_per_second": round(samples / max(seconds, 1e-9), 1),
         "final_loss": sum(recent) / len(recent),
         **metrics,
+        **({"losses": losses} if config.record_losses else {}),
     }
 
 

@@ -70,8 +70,20 @@ class OptimizerSettings(_message.Message):
     initial_accumulator_value: float
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., amsgrad: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ...) -> None: ...
 
+class ConsistencySettings(_message.Message):
+    __slots__ = ("mode", "staleness", "backup_workers", "stale_policy")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STALE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    staleness: int
+    backup_workers: int
+    stale_policy: str
+    def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., stale_policy: _Optional[str] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_name", "shard_index", "num_shards", "placement_digest", "parts", "optimizer", "job_fingerprint")
+    __slots__ = ("worker_name", "shard_index", "num_shards", "placement_digest", "parts", "optimizer", "job_fingerprint", "consistency")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +91,7 @@ class RegisterRequest(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     shard_index: int
     num_shards: int
@@ -86,33 +99,42 @@ class RegisterRequest(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[PartSpec]
     optimizer: OptimizerSettings
     job_fingerprint: str
-    def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ...) -> None: ...
+    consistency: ConsistencySettings
+    def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "generation", "must_initialize", "version")
+    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MUST_INITIALIZE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     must_initialize: bool
     version: int
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+    clock: int
+    consistency: ConsistencySettings
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts")
+    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    BASE_CLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     sequence: int
     base_version: int
     parts: _containers.RepeatedCompositeFieldContainer[PartSpec]
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ...) -> None: ...
+    clock: int
+    base_clock: int
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("part_index", "offset", "data")
@@ -141,15 +163,29 @@ class InitializeResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "staleness")
+    __slots__ = ("version", "staleness", "action")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+    action: str
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., action: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id", "generation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    generation: int
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "generation", "known_versions")
+    __slots__ = ("worker_id", "generation", "known_versions", "clock")
     class KnownVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -160,10 +196,12 @@ class PullRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     known_versions: _containers.ScalarMap[str, int]
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., known_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    clock: int
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., known_versions: _Optional[_Mapping[str, int]] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class PulledPart(_message.Message):
     __slots__ = ("spec", "version", "included")
@@ -176,12 +214,14 @@ class PulledPart(_message.Message):
     def __init__(self, spec: _Optional[_Union[PartSpec, _Mapping]] = ..., version: _Optional[int] = ..., included: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "parts")
+    __slots__ = ("version", "clock", "parts")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     version: int
+    clock: int
     parts: _containers.RepeatedCompositeFieldContainer[PulledPart]
-    def __init__(self, version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PulledPart, _Mapping]]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., clock: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PulledPart, _Mapping]]] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -196,21 +236,33 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "worker_name", "generation", "pushes", "last_seen_unix")
+    __slots__ = ("worker_id", "worker_name", "generation", "pushes", "last_seen_unix", "clock", "live")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     worker_name: str
     generation: int
     pushes: int
     last_seen_unix: float
-    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., generation: _Optional[int] = ..., pushes: _Optional[int] = ..., last_seen_unix: _Optional[float] = ...) -> None: ...
+    clock: int
+    live: bool
+    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., generation: _Optional[int] = ..., pushes: _Optional[int] = ..., last_seen_unix: _Optional[float] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
+
+class StalenessBucket(_message.Message):
+    __slots__ = ("staleness", "count")
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    staleness: int
+    count: int
+    def __init__(self, staleness: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received")
+    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +282,13 @@ class StatusResponse(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PUSHES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_SCALED_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    PULLS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    PULL_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     address: str
     shard_index: int
     num_shards: int
@@ -249,4 +308,11 @@ class StatusResponse(_message.Message):
     uptime_seconds: float
     placement_digest: str
     pushes_received: int
-    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ...) -> None: ...
+    consistency: ConsistencySettings
+    clock: int
+    pushes_dropped: int
+    pushes_scaled: int
+    staleness_histogram: _containers.RepeatedCompositeFieldContainer[StalenessBucket]
+    pulls_waiting: int
+    pull_wait_seconds: float
+    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ...) -> None: ...

@@ -54,6 +54,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
                 response_deserializer=pswire_dot_v1_dot_ps__pb2.PullMessage.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/pswire.v1.ParameterServer/Leave',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/pswire.v1.ParameterServer/Status',
                 request_serializer=pswire_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
@@ -92,6 +97,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Leave the job cleanly: the worker stops counting for SSP/sync membership at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -120,6 +132,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=pswire_dot_v1_dot_ps__pb2.PullRequest.FromString,
                     response_serializer=pswire_dot_v1_dot_ps__pb2.PullMessage.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.LeaveRequest.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.LeaveResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -235,6 +252,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Pull',
             pswire_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
             pswire_dot_v1_dot_ps__pb2.PullMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/Leave',
+            pswire_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,94 @@
+"""What defines a job on a shard, and how a joining worker is checked against it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pswire.codec import Part, dtype_name
+from pswire.errors import InvalidArgumentError, PreconditionError
+from pswire.optim import OptimizerConfig
+from pswire.consistency import Consistency
+
+__all__ = ["Registration", "check_finite", "check_parts", "check_same_job", "fmt_bytes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Registration:
+    """A worker's request to join; the first one defines the job."""
+
+    worker_name: str
+    shard_index: int
+    num_shards: int
+    placement_digest: str
+    parts: tuple[Part, ...]
+    optimizer: OptimizerConfig
+    job_fingerprint: str = ""
+    consistency: Consistency = Consistency()
+
+
+def check_parts(parts: Sequence[Part]) -> None:
+    if not parts:
+        raise InvalidArgumentError("registration lists no variables for this shard")
+    keys = [p.key for p in parts]
+    if len(set(keys)) != len(keys):
+        raise InvalidArgumentError("registration lists a variable twice")
+
+
+def check_finite(part: Part, value: torch.Tensor, what: str) -> None:
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise InvalidArgumentError(f"{what} for {part.key!r} contains NaN or Inf")
+
+
+def check_same_job(job: Registration, reg: Registration) -> None:
+    """Raises ``PreconditionError`` naming the first way ``reg`` disagrees with ``job``."""
+    if reg.num_shards != job.num_shards or reg.shard_index != job.shard_index:
+        raise PreconditionError(
+            f"this shard is shard {job.shard_index} of {job.num_shards}, but the worker addressed "
+            f"it as shard {reg.shard_index} of {reg.num_shards}: give every worker the same "
+            "--ps list in the same order"
+        )
+    mine = {p.key: p for p in job.parts}
+    theirs = {p.key: p for p in reg.parts}
+    by_name_mine = {p.name: p for p in job.parts}
+    for part in reg.parts:
+        known = mine.get(part.key) or by_name_mine.get(part.name)
+        if known is None:
+            raise PreconditionError(f"variable {part.name!r} is not in the job's model")
+        if known.full_shape != part.full_shape or known.dtype != part.dtype:
+            raise PreconditionError(
+                f"variable {part.name!r} is {dtype_name(known.dtype)}{list(known.full_shape)} in the "
+                f"job but {dtype_name(part.dtype)}{list(part.full_shape)} in the worker's model"
+            )
+    missing = [k for k in mine if k not in theirs]
+    if missing or [p.key for p in reg.parts] != list(mine):
+        raise PreconditionError(
+            f"the worker's model lacks variable(s) {', '.join(missing) or '(order differs)'} of the job"
+        )
+    if reg.placement_digest != job.placement_digest:
+        raise PreconditionError(
+            "the worker's placement differs from the job's on another shard: its model or "
+            "shard count disagrees"
+        )
+    diffs = job.optimizer.differences(reg.optimizer)
+    if diffs:
+        raise PreconditionError("optimizer settings differ from the job's: " + "; ".join(diffs))
+    if reg.consistency != job.consistency:
+        raise PreconditionError(
+            f"consistency differs from the job's: job runs {job.consistency.describe()}, "
+            f"worker asked for {reg.consistency.describe()}"
+        )
+    if reg.job_fingerprint != job.job_fingerprint:
+        raise PreconditionError(
+            f"job {reg.job_fingerprint!r} differs from the job this shard serves ({job.job_fingerprint!r})"
+        )
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
