@@ -167,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         final = evaluate_job(ps, args.task, seed=seed)
         summary = {
             "task": args.task,
+            "mode": results[0]["mode"],
             "shards": args.shards,
             "workers": args.workers,
             "steps": sum(r["steps"] for r in results),

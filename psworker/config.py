@@ -58,6 +58,9 @@ class WorkerConfig:
     log_every: float = _f(5.0, "Seconds between progress log lines.")
     rpc_timeout: float = _f(30.0, "Deadline of a small RPC in seconds (transfers get more per byte).")
     connect_timeout: float = _f(60.0, "Seconds to wait for every shard to accept a connection.")
+    wait_timeout: float = _f(600.0, "Seconds a pull may wait on the ssp/sync bound before failing.")
+    eval_every: int = _f(0, "Evaluate the current model on the test split every N steps (0: only at the end); "
+                         "results go to \"evals\" in the JSON line.")
     record_losses: bool = _f(False, "Include every step's loss in the JSON result (\"losses\").", flag=True)
     log_level: str = _f("INFO", "Logging level.")
 
@@ -82,10 +85,12 @@ class WorkerConfig:
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")
         self.consistency()  # validates the mode's settings
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
-        if self.log_every <= 0 or self.rpc_timeout <= 0 or self.connect_timeout <= 0:
-            raise ValueError("--log-every, --rpc-timeout and --connect-timeout must be > 0")
+        if min(self.log_every, self.rpc_timeout, self.connect_timeout, self.wait_timeout) <= 0:
+            raise ValueError("--log-every, --rpc-timeout, --connect-timeout and --wait-timeout must be > 0")
 
     def consistency(self) -> Consistency:
         """The consistency setting asked for; raises ``ValueError`` when inconsistent."""

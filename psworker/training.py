@@ -131,7 +131,9 @@ def train(config: WorkerConfig) -> dict:
     if config.local:
         optimizer = _local_optimizer(model, opt_config)
     else:
-        options = ClientOptions(timeout=config.rpc_timeout, connect_timeout=config.connect_timeout)
+        options = ClientOptions(
+            timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout
+        )
         session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options)
         model, optimizer = session.prepare(model, opt_config, consistency=config.consistency())
     log.info(
@@ -143,6 +145,7 @@ def train(config: WorkerConfig) -> dict:
     progress = _Progress(config.progress, total, config.log_every, config.name)
     recent: list[float] = []
     losses: list[float] = []
+    evals: list[dict] = []
     samples = 0
     started = time.monotonic()
     try:
@@ -166,6 +169,8 @@ def train(config: WorkerConfig) -> dict:
                 losses.append(value)
             samples += len(idx)
             progress.update(step, value, samples)
+            if config.eval_every and step % config.eval_every == 0 and step < total:
+                evals.append({"step": step, "seconds": round(time.monotonic() - started, 3), **evaluate(model, task)})
         seconds = time.monotonic() - started
         if session is not None:
             session.pull(wait=False)  # the newest weights, including other workers' pushes
@@ -188,6 +193,7 @@ def train(config: WorkerConfig) -> dict:
         "final_loss": sum(recent) / len(recent),
         **metrics,
         **({"losses": losses} if config.record_losses else {}),
+        **({"evals": evals + [{"step": total, "seconds": round(seconds, 3), **metrics}]} if config.eval_every else {}),
     }
 
 

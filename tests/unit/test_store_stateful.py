@@ -1,0 +1,525 @@
+"""A real ``ShardStore``, driven directly (no gRPC) through arbitrary interleavings of pulls,
+pushes, retried pushes, departures and re-registrations, against a reference model.
+
+The model keeps every variable in float64 and updates it with SGD at lr=1, so after any run a
+variable equals its initial value less the sum of the (scaled, or averaged per sync clock)
+gradients the shard applied. Expected outcomes are derived from the rules of DESIGN.md §4 and
+``psserver.consistency``'s docstring, and the pure decisions are checked to agree with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from psserver.consistency import Consistency, Mode, PushAction, StalePolicy, decide_pull, decide_push, sync_quorum
+from psserver.store import PushResult, Registration, RegisterResult, ShardStore
+from pswire.codec import Part
+from pswire.errors import DeadlineError, InvalidArgumentError, PreconditionError
+from pswire.optim import OptimizerConfig
+
+pytestmark = pytest.mark.timeout(300)
+
+MACHINE = settings(max_examples=75, stateful_step_count=40, deadline=None)
+SGD = OptimizerConfig(name="sgd", lr=1.0)
+F64 = torch.float64
+NAMES = ("w0", "w1", "w2", "w3")
+CHUNK_BYTES = 7  # not a multiple of 8: float64 elements straddle chunks
+
+
+# -- strategies -------------------------------------------------------------------------------
+
+
+@st.composite
+def part_specs(draw) -> list[Part]:
+    parts = []
+    for i in range(draw(st.integers(1, 3))):
+        name = f"v{i}"
+        kind = draw(st.sampled_from(["scalar", "vector", "matrix", "slice"]))
+        if kind == "scalar":
+            parts.append(Part(name, (), F64, 0, 1))
+        elif kind == "vector":
+            n = draw(st.integers(1, 4))
+            parts.append(Part(name, (n,), F64, 0, n))
+        elif kind == "matrix":
+            r, c = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+            parts.append(Part(name, (r, c), F64, 0, r))
+        else:
+            rows, c = draw(st.integers(2, 5)), draw(st.integers(1, 3))
+            start = draw(st.integers(0, rows - 1))
+            parts.append(Part(name, (rows, c), F64, start, draw(st.integers(start + 1, rows))))
+    return parts
+
+
+def integer_tensor(shape: tuple[int, ...], bound: int):
+    numel = 1
+    for n in shape:
+        numel *= n
+    return st.lists(st.integers(-bound, bound), min_size=numel, max_size=numel).map(
+        lambda xs: torch.tensor(xs, dtype=F64).reshape(shape)
+    )
+
+
+def registration(name: str, parts: list[Part], consistency: Consistency) -> Registration:
+    return Registration(
+        worker_name=name, shard_index=0, num_shards=1, placement_digest="digest",
+        parts=tuple(parts), optimizer=SGD, job_fingerprint="job", consistency=consistency,
+    )
+
+
+def decode(part: Part, chunks: list[bytes]) -> torch.Tensor:
+    data = bytearray(b"".join(chunks))
+    assert len(data) == part.nbytes
+    return torch.frombuffer(data, dtype=part.dtype).reshape(part.shape)
+
+
+# -- the model --------------------------------------------------------------------------------
+
+
+@dataclass
+class Pulled:
+    version: int
+    clock: int
+    """The shard clock of the snapshot (the push's base clock)."""
+    at_clock: int
+    """The clock the worker read at."""
+    generation: int
+
+
+@dataclass
+class WorkerModel:
+    name: str
+    worker_id: int
+    generation: int = 1
+    clock: int = 0
+    live: bool = True
+    pushes: int = 0
+    sequence: int = 0
+    pulled: Pulled | None = None
+    known: dict[str, int] = field(default_factory=dict)
+    history: dict[int, tuple[dict, PushResult]] = field(default_factory=dict)
+    """This generation's pushes: sequence -> (apply_push arguments, reply)."""
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Subclasses set ``CONSISTENCY``, a strategy of the job's setting."""
+
+    CONSISTENCY: st.SearchStrategy[Consistency]
+
+    # -- setup --------------------------------------------------------------------------------
+
+    @initialize(data=st.data(), parts=part_specs(), workers=st.integers(2, 4), early=st.booleans())
+    def setup(self, data, parts, workers, early):
+        self.cons: Consistency = data.draw(self.CONSISTENCY, label="consistency")
+        self.mode = self.cons.mode
+        self.parts = parts
+        self.keys = [p.key for p in parts]
+        self.part = {p.key: p for p in parts}
+        self.store = ShardStore()
+        self.workers: dict[str, WorkerModel] = {}
+        self.next_id = 1
+        # The shard as the model sees it.
+        self.version = 0
+        self.part_version = dict.fromkeys(self.keys, 0)
+        self.open_clock = 0
+        self.floor = 0
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.received = 0
+        self.aggregates = 0
+        # Counters, by outcome.
+        self.pushes_received = 0
+        self.applied_pushes = 0  # async/ssp pushes with parts that changed the variables
+        self.noop_pushes = 0  # async/ssp clock-only pushes that were not dropped
+        self.dropped = 0
+        self.scaled = 0
+        self.accumulated = 0
+        self.retries = 0
+        self.rejected = 0
+        self.pulls_served = 0
+        self.max_staleness = 0
+        self.histogram = [0] * 17
+        self.last_version = 0
+        self.last_clock = 0
+
+        self._register(NAMES[0], must_initialize=True)
+        if early:  # the others join while the first is still initialising
+            for name in NAMES[1:workers]:
+                self._register(name, must_initialize=False)
+        initial = [data.draw(integer_tensor(p.shape, 8), label=f"initial {p.key}") for p in parts]
+        self.params = {p.key: t.clone() for p, t in zip(parts, initial)}
+        first = self.workers[NAMES[0]]
+        assert self.store.initialize(first.worker_id, first.generation, initial) == (True, 0)
+        if not early:
+            for name in NAMES[1:workers]:
+                self._register(name, must_initialize=False)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def live(self) -> list[WorkerModel]:
+        return [w for w in self.workers.values() if w.live]
+
+    def member_clocks(self) -> dict[str, int]:
+        return {w.name: w.clock for w in self.live()}
+
+    def current_clock(self) -> int:
+        if self.mode is Mode.SYNC:
+            return self.open_clock
+        members = self.member_clocks()
+        return max(self.floor, min(members.values())) if members else self.floor
+
+    def membership_changed(self) -> None:
+        self.floor = self.current_clock()
+        if self.mode is Mode.SYNC and self.received:
+            if self.received >= sync_quorum(self.cons, len(self.live())):
+                self.apply_aggregate()
+
+    def apply_aggregate(self) -> None:
+        self.version += 1
+        for key, total in self.sums.items():
+            mean = total / self.counts[key]
+            self.params[key].add_(mean, alpha=-1.0)
+            self.part_version[key] = self.version
+        self.aggregates += 1
+        self.record_staleness(0)
+        self.sums, self.counts, self.received = {}, {}, 0
+        self.open_clock += 1
+
+    def record_staleness(self, staleness: int) -> None:
+        self.max_staleness = max(self.max_staleness, staleness)
+        self.histogram[min(staleness, 16)] += 1
+
+    def _register(self, name: str, *, must_initialize: bool) -> None:
+        start = self.current_clock()
+        worker = self.workers.get(name)
+        result = self.store.register(registration(name, self.parts, self.cons))
+        if worker is None:
+            worker = WorkerModel(name, self.next_id, clock=start)
+            self.next_id += 1
+            self.workers[name] = worker
+        else:
+            worker.generation += 1
+            worker.clock, worker.live = start, True
+            worker.sequence = 0
+            worker.history.clear()
+        assert result == RegisterResult(
+            worker.worker_id, worker.generation, must_initialize, self.version, start, self.cons
+        )
+
+    def pick(self, data, workers: list[WorkerModel]) -> WorkerModel:
+        return data.draw(st.sampled_from(sorted(workers, key=lambda w: w.name)), label="worker")
+
+    def observable(self) -> tuple:
+        """What a push that changes nothing must leave as it was (besides pushes_received)."""
+        status = self.store.status()
+        workers = [{k: v for k, v in w.items() if k != "last_seen_unix"} for w in status["workers"]]
+        counters = {k: v for k, v in status.items() if k not in ("uptime_seconds", "pull_wait_seconds", "workers")}
+        counters.pop("pushes_received")
+        tensors = {key: self.store.tensor(key) for key in self.keys}
+        return counters, workers, tensors
+
+    def assert_unchanged(self, before: tuple) -> None:
+        after = self.observable()
+        assert after[0] == before[0]
+        assert after[1] == before[1]
+        for key in self.keys:
+            assert torch.equal(after[2][key], before[2][key]), key
+
+    # -- rules --------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data(), use_known=st.booleans())
+    def pull(self, data, use_known):
+        """A live worker reads at its own clock, without waiting."""
+        worker = self.pick(data, self.live())
+        clock = worker.clock
+        members = self.member_clocks()
+        if self.mode is Mode.ASYNC:
+            proceed = True
+        elif self.mode is Mode.SSP:
+            proceed = all(c >= clock - self.cons.staleness for c in members.values())
+        else:
+            proceed = self.open_clock >= clock
+        decision = decide_pull(self.cons, clock, members, self.open_clock)
+        assert decision.proceed == proceed
+        known = dict(worker.known) if use_known else {}
+        call = dict(chunk_bytes=CHUNK_BYTES, timeout=0.0, worker_id=worker.worker_id, clock=clock)
+        if not proceed:
+            with pytest.raises(DeadlineError) as caught:
+                self.store.pull(known, **call)
+            message = str(caught.value)
+            assert worker.name in message and f"clock {clock}" in message
+            if self.mode is Mode.SSP:
+                need = clock - self.cons.staleness
+                slowest = min((c, n) for n, c in members.items() if c < need)
+                assert decision.waiting_for == slowest[1]
+                assert f"waiting for {slowest[1]}" in message
+            return
+        snapshot = self.store.pull(known, **call)
+        self.pulls_served += 1
+        assert snapshot.version == self.version
+        assert snapshot.clock == self.current_clock()
+        assert [p.part.key for p in snapshot.parts] == self.keys
+        for pulled in snapshot.parts:
+            key = pulled.part.key
+            assert pulled.version == self.part_version[key]
+            if known.get(key) == pulled.version:
+                assert pulled.chunks is None
+            else:
+                assert pulled.chunks is not None
+                assert all(len(chunk) <= CHUNK_BYTES for chunk in pulled.chunks)
+                torch.testing.assert_close(decode(pulled.part, pulled.chunks), self.params[key])
+        worker.pulled = Pulled(snapshot.version, snapshot.clock, clock, worker.generation)
+        worker.known = {p.part.key: p.version for p in snapshot.parts}
+
+    @precondition(lambda self: any(w.live and w.pulled for w in self.workers.values()))
+    @rule(data=st.data())
+    def push(self, data):
+        """A worker that pulled pushes a gradient (or, in ssp/sync, just its clock) for its clock,
+        based on what it pulled; after a re-registration that pull may be from its old generation."""
+        worker = self.pick(data, [w for w in self.live() if w.pulled])
+        pulled = worker.pulled
+        assert pulled is not None
+        keys = data.draw(
+            st.lists(st.sampled_from(self.keys), unique=True, min_size=1 if self.mode is Mode.ASYNC else 0),
+            label="keys",
+        )
+        grads = [data.draw(integer_tensor(self.part[k].shape, 4), label=f"grad {k}") for k in keys]
+        clock = worker.clock
+        sequence = worker.sequence + 1
+        args = dict(
+            worker_id=worker.worker_id, generation=worker.generation, sequence=sequence,
+            base_version=pulled.version, parts=[self.part[k] for k in keys], grads=grads,
+            clock=clock, base_clock=pulled.clock,
+        )
+        expected = self.expect_push(worker, keys, grads, clock, pulled)
+        sent = [g.clone() for g in grads]
+        result = self.store.apply_push(**{**args, "grads": sent})
+        assert result == expected
+        for g, s in zip(grads, sent):
+            assert torch.equal(g, s), "the store wrote into a gradient it was handed"
+        worker.sequence = sequence
+        worker.history[sequence] = (args, result)
+        worker.pulled = None
+
+    def expect_push(self, worker: WorkerModel, keys, grads, clock: int, pulled: Pulled) -> PushResult:
+        self.pushes_received += 1
+        shard_clock = self.current_clock()
+        if self.mode is Mode.ASYNC:
+            staleness = self.version - pulled.version
+        else:
+            staleness = shard_clock - pulled.clock
+        live = len(self.live())
+        quorum = sync_quorum(self.cons, live)
+        if self.mode is Mode.ASYNC:
+            action, scale = PushAction.APPLY, 1.0
+        elif self.mode is Mode.SSP:
+            if staleness <= self.cons.staleness:
+                action, scale = PushAction.APPLY, 1.0
+            elif self.cons.stale_policy is StalePolicy.DROP:
+                action, scale = PushAction.DROP, 1.0
+            else:
+                action, scale = PushAction.SCALE, 1.0 / staleness
+            if pulled.generation == worker.generation and pulled.at_clock == clock:
+                # SSP's guarantee: a worker that read at its own clock and pushes that step is
+                # never staler than S, whatever the others did meanwhile (they may have left).
+                assert staleness <= self.cons.staleness
+        else:
+            accumulate = clock == self.open_clock and self.received < quorum
+            action, scale = (PushAction.ACCUMULATE if accumulate else PushAction.DROP), 1.0
+        decision = decide_push(
+            self.cons, staleness, push_clock=clock, open_clock=self.open_clock, received=self.received, quorum=quorum
+        )
+        assert (decision.action, decision.lr_scale) == (action, scale)
+
+        if action is PushAction.ACCUMULATE:
+            for key, grad in zip(keys, grads):
+                self.sums[key] = self.sums[key] + grad if key in self.sums else grad.clone()
+                self.counts[key] = self.counts.get(key, 0) + 1
+            self.received += 1
+            self.accumulated += 1
+        elif action is PushAction.DROP:
+            self.dropped += 1
+        elif keys:
+            self.version += 1
+            for key, grad in zip(keys, grads):
+                self.params[key].add_(grad, alpha=-(SGD.lr * scale))
+                self.part_version[key] = self.version
+            self.applied_pushes += 1
+            self.scaled += action is PushAction.SCALE
+            self.record_staleness(staleness)
+        else:
+            self.noop_pushes += 1
+        worker.pushes += 1
+        worker.clock = max(worker.clock, clock + 1)
+        result = PushResult(self.version, staleness, action)
+        if self.mode is not Mode.ASYNC:
+            self.membership_changed()
+        return result
+
+    @precondition(lambda self: any(w.live and w.history for w in self.workers.values()))
+    @rule(data=st.data())
+    def retry(self, data):
+        """A push is sent again (its reply was lost): acknowledged with the same reply, not re-applied."""
+        worker = self.pick(data, [w for w in self.live() if w.history])
+        sequence = data.draw(st.sampled_from(sorted(worker.history)), label="sequence")
+        args, reply = worker.history[sequence]
+        before = self.observable()
+        result = self.store.apply_push(**{**args, "grads": [g.clone() for g in args["grads"]]})
+        self.pushes_received += 1
+        self.retries += 1
+        assert result == reply
+        self.assert_unchanged(before)
+
+    @precondition(lambda self: self.mode is not Mode.ASYNC and any(w.live and w.clock > 0 for w in self.workers.values()))
+    @rule(data=st.data())
+    def push_for_a_past_clock(self, data):
+        """A push tagged with a clock the worker has already passed is refused, changing nothing."""
+        worker = self.pick(data, [w for w in self.live() if w.clock > 0])
+        before = self.observable()
+        with pytest.raises(InvalidArgumentError, match=f"already at clock {worker.clock}"):
+            self.store.apply_push(
+                worker.worker_id, worker.generation, worker.sequence + 1, self.version,
+                [self.parts[0]], [torch.ones(self.parts[0].shape, dtype=F64)],
+                clock=worker.clock - 1, base_clock=self.current_clock(),
+            )
+        self.pushes_received += 1
+        self.rejected += 1
+        self.assert_unchanged(before)
+
+    @precondition(lambda self: any(not w.live or w.generation > 1 for w in self.workers.values()))
+    @rule(data=st.data())
+    def departed_or_stale_generation_is_refused(self, data):
+        """A departed worker, or an old generation of a re-registered one, cannot push or leave."""
+        worker = self.pick(data, [w for w in self.workers.values() if not w.live or w.generation > 1])
+        generation = worker.generation if not worker.live else worker.generation - 1
+        before = self.observable()
+        with pytest.raises(PreconditionError, match="re-register"):
+            self.store.apply_push(
+                worker.worker_id, generation, worker.sequence + 1, self.version,
+                [self.parts[0]], [torch.ones(self.parts[0].shape, dtype=F64)],
+                clock=worker.clock, base_clock=self.current_clock(),
+            )
+        with pytest.raises(PreconditionError, match="re-register"):
+            self.store.leave(worker.worker_id, generation)
+        self.pushes_received += 1
+        self.rejected += 1
+        self.assert_unchanged(before)
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def leave(self, data):
+        worker = self.pick(data, self.live())
+        self.store.leave(worker.worker_id, worker.generation)
+        worker.live = False
+        self.membership_changed()
+
+    @precondition(lambda self: self.workers)
+    @rule(data=st.data())
+    def reregister(self, data):
+        """A worker (departed or not) registers again: a new generation at the shard's clock. It
+        keeps what it last pulled, so its next push may be based on a much older clock."""
+        worker = self.pick(data, list(self.workers.values()))
+        self._register(worker.name, must_initialize=False)
+
+    @precondition(lambda self: len(self.workers) < len(NAMES))
+    @rule()
+    def join(self):
+        self._register(NAMES[len(self.workers)], must_initialize=False)
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def status_matches_the_model(self):
+        status = self.store.status()
+        assert status["state"] == "ready"
+        assert status["version"] == self.version
+        assert status["clock"] == self.current_clock()
+        assert status["pushes_received"] == self.pushes_received
+        assert status["pushes_applied"] == self.applied_pushes + self.aggregates
+        assert status["pushes_dropped"] == self.dropped
+        assert status["pushes_scaled"] == self.scaled
+        assert status["pushes_rejected"] == 0  # counted by the servicer only
+        assert status["pulls_served"] == self.pulls_served
+        assert status["pulls_waiting"] == 0
+        assert status["max_staleness"] == self.max_staleness
+        assert status["staleness_histogram"] == self.histogram
+        workers = {
+            w["worker_name"]: (w["worker_id"], w["generation"], w["clock"], w["live"], w["pushes"])
+            for w in status["workers"]
+        }
+        assert workers == {
+            w.name: (w.worker_id, w.generation, w.clock, w.live, w.pushes) for w in self.workers.values()
+        }
+
+    @invariant()
+    def every_push_is_accounted_for(self):
+        status = self.store.status()
+        assert status["pushes_received"] == (
+            status["pushes_applied"] - self.aggregates + status["pushes_dropped"]
+            + self.accumulated + self.noop_pushes + self.retries + self.rejected
+        )
+
+    @invariant()
+    def variables_equal_the_reference(self):
+        for key in self.keys:
+            torch.testing.assert_close(self.store.tensor(key), self.params[key])
+
+    @invariant()
+    def versions_and_clocks_never_go_back(self):
+        status = self.store.status()
+        assert status["version"] >= self.last_version
+        self.last_version = status["version"]
+        if self.mode is not Mode.ASYNC:  # see test_async_shard_clock_goes_back_when_the_last_worker_leaves
+            assert status["clock"] >= self.last_clock
+        self.last_clock = status["clock"]
+
+    @invariant()
+    def the_bound_holds(self):
+        status = self.store.status()
+        if self.mode is Mode.SSP and self.scaled == 0:
+            # Dropped pushes are not applied, so nothing applied was staler than S.
+            assert status["max_staleness"] <= self.cons.staleness
+        if self.mode is Mode.SYNC:
+            # One aggregate per clock, nothing else changes the variables.
+            assert status["version"] == self.open_clock == self.aggregates == status["clock"]
+            assert status["max_staleness"] == 0
+            assert self.received < sync_quorum(self.cons, len(self.live())) or self.received == 0
+
+
+class AsyncMachine(StoreMachine):
+    CONSISTENCY = st.just(Consistency(mode=Mode.ASYNC))
+
+
+class SspMachine(StoreMachine):
+    CONSISTENCY = st.builds(
+        Consistency, mode=st.just(Mode.SSP), staleness=st.integers(0, 3), stale_policy=st.sampled_from(list(StalePolicy))
+    )
+
+
+class SyncMachine(StoreMachine):
+    CONSISTENCY = st.builds(Consistency, mode=st.just(Mode.SYNC), backup_workers=st.integers(0, 1))
+
+
+def test_async_store_agrees_with_the_model():
+    run_state_machine_as_test(AsyncMachine, settings=MACHINE)
+
+
+def test_ssp_store_agrees_with_the_model():
+    run_state_machine_as_test(SspMachine, settings=MACHINE)
+
+
+def test_sync_store_agrees_with_the_model():
+    run_state_machine_as_test(SyncMachine, settings=MACHINE)
