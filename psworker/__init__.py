@@ -19,6 +19,7 @@ from pswire.errors import (
     TooLargeError,
     UnavailableError,
 )
+from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
 from psworker.api import DistributedOptimizer, Session, connect
 from psworker.client import ClientOptions, PSClient
@@ -26,6 +27,7 @@ from psworker.tasks import Task, TaskDefaults, evaluate, load_task
 
 __all__ = [
     "ClientOptions",
+    "Consistency",
     "DeadlineError",
     "DistributedOptimizer",
     "InvalidArgumentError",
