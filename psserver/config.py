@@ -25,6 +25,7 @@ class ServerConfig:
     max_request_bytes: int = field(default=8 << 30, metadata={"help": 'Largest push or initialisation accepted, in bytes.'})
     chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, metadata={"help": 'Chunk size of pull streams.'})
     init_timeout: float = field(default=60.0, metadata={"help": 'Seconds a registered initialiser has to upload the variables before another worker may.'})
+    lease_timeout: float = field(default=30.0, metadata={"help": "Seconds without a heartbeat (or any call) after which a worker is evicted; 0 disables eviction."})
     grace: float = field(default=5.0, metadata={"help": 'Seconds in-flight RPCs get to finish on shutdown.'})
     torch_threads: int = field(default=1, metadata={"help": "Threads torch may use for updates; one process per shard, so 1 avoids oversubscribing cores."})
     log_level: str = field(default="INFO", metadata={"help": "Logging level: DEBUG, INFO, WARNING, ERROR."})
@@ -36,6 +37,8 @@ class ServerConfig:
             raise ValueError("threads must be >= 1 and max_concurrent_rpcs >= threads")
         if self.chunk_bytes < 1024 or self.chunk_bytes > (4 << 20) - 4096:
             raise ValueError("chunk_bytes must be between 1 KiB and just under 4 MiB")
+        if self.lease_timeout < 0:
+            raise ValueError(f"lease_timeout must be >= 0, got {self.lease_timeout}")
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.max_request_bytes < 1 or self.init_timeout <= 0 or self.grace < 0:

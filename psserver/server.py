@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class Shard:
     store: ShardStore
     health: health.HealthServicer
     config: ServerConfig
+    reaper: "_Reaper | None" = None
 
     @property
     def address(self) -> str:
@@ -43,13 +45,38 @@ class Shard:
     def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, then let in-flight RPCs finish for ``grace`` seconds."""
         self.health.enter_graceful_shutdown()
+        if self.reaper is not None:
+            self.reaper.stop()
         self.server.stop(self.config.grace if grace is None else grace).wait(timeout=30)
+
+
+class _Reaper:
+    """Evicts workers whose lease expired, checking four times per lease."""
+
+    def __init__(self, store: ShardStore, lease: float) -> None:
+        self._store = store
+        self._period = lease / 4
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="psserver-reaper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(timeout=self._period):
+            try:
+                self._store.evict_expired()
+            except Exception:  # the reaper must outlive any one bad pass
+                log.exception("lease check failed")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
 
 
 def create_server(config: ServerConfig, *, store: ShardStore | None = None) -> Shard:
     """Build, bind and start a shard. Raises ``RuntimeError`` if the address cannot be bound."""
+    lease = config.lease_timeout or None
     store = store or ShardStore(
-        init_timeout=config.init_timeout, max_waiting_pulls=max(1, config.threads - 2)
+        init_timeout=config.init_timeout, max_waiting_pulls=max(1, config.threads - 2), lease_timeout=lease
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psserver"),
@@ -80,7 +107,8 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None) -> S
     if config.port_file:
         _write_atomically(config.port_file, f"{port}\n")
     log.info("psserver listening on %s", address)
-    return Shard(server, port, store, health_servicer, config)
+    reaper = _Reaper(store, lease) if lease else None
+    return Shard(server, port, store, health_servicer, config, reaper)
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 STATUS_CODES: dict[type[errors.PSError], grpc.StatusCode] = {
     errors.InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.FencedError: grpc.StatusCode.ABORTED,
     errors.TooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NotReadyError: grpc.StatusCode.UNAVAILABLE,
@@ -74,6 +75,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             version=result.version,
             clock=result.clock,
             consistency=consistency_to_proto(result.consistency),
+            lease_seconds=result.lease_seconds,
         )
 
     def _receive(
@@ -118,6 +120,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             log.warning("push refused: %s", exc)
             _abort(context, exc)
         return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
+
+    def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
+        try:
+            lease = self._store.heartbeat(request.worker_id, request.generation)
+        except (errors.PSError, ValueError) as exc:
+            _abort(context, exc)
+        return ps_pb2.HeartbeatResponse(lease_seconds=lease)
 
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         try:
@@ -184,4 +193,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             ],
             pulls_waiting=s["pulls_waiting"],
             pull_wait_seconds=s["pull_wait_seconds"],
+            workers_evicted=s["workers_evicted"],
+            lease_seconds=s["lease_seconds"],
         )

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pswire.codec import Part, dtype_name, tensor_bytes
-from pswire.errors import DeadlineError, InvalidArgumentError, NotReadyError, PreconditionError
+from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from psserver import consistency as cons
+from psserver.leases import expired
 from psserver.consistency import Mode, PushAction
 from psserver.job import Registration, check_finite, check_parts, check_same_job, fmt_bytes
 from psserver.optimizers import UpdateRule, create_update_rule
@@ -45,6 +46,7 @@ class RegisterResult:
     version: int
     clock: int
     consistency: cons.Consistency
+    lease_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,11 @@ class _Worker:
     generation: int
     clock: int = 0
     live: bool = True
+    evicted: bool = False
     pushes: int = 0
     last_seen: float = field(default_factory=time.time)
+    heard_at: float = 0.0
+    """When the shard last heard from it, on the store's monotonic clock (for its lease)."""
     applied: dict[int, PushResult] = field(default_factory=dict)
     """Sequence -> reply of this generation's recent pushes, oldest first (bounded)."""
     max_sequence: int = 0
@@ -106,9 +111,11 @@ class ShardStore:
         init_timeout: float = 60.0,
         max_waiting_pulls: int = 8,
         dedupe_window: int = 64,
+        lease_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._init_timeout = init_timeout
+        self._lease_timeout = lease_timeout
         # A waiting pull parks a handler thread; capping them leaves threads free for the pushes
         # and the Initialize that release them (pulls beyond the cap are refused as retryable).
         self._max_waiting_pulls = max_waiting_pulls
@@ -140,6 +147,7 @@ class ShardStore:
         self._pushes_dropped = 0
         self._pushes_scaled = 0
         self._pulls_served = 0
+        self._workers_evicted = 0
         self._max_staleness = 0
         self._staleness_counts = [0] * STALENESS_BUCKETS
 
@@ -176,8 +184,8 @@ class ShardStore:
                 worker.generation += 1
                 worker.applied.clear()  # sequences restart with each generation
                 worker.max_sequence = 0
-                worker.clock, worker.live = start, True
-            worker.last_seen = time.time()
+                worker.clock, worker.live, worker.evicted = start, True, False
+            worker.last_seen, worker.heard_at = time.time(), self._now()
             must_init = False
             if self._state is ShardState.INITIALIZING:
                 now = self._now()
@@ -187,7 +195,8 @@ class ShardStore:
                     must_init = True
             self._changed.notify_all()
             return RegisterResult(
-                worker.worker_id, worker.generation, must_init, self._version, start, self._job.consistency
+                worker.worker_id, worker.generation, must_init, self._version, start, self._job.consistency,
+                self._lease_timeout or 0.0,
             )
 
     def leave(self, worker_id: int, generation: int) -> None:
@@ -198,20 +207,51 @@ class ShardStore:
             log.info("%s left the job at clock %d", worker.name, worker.clock)
             self._membership_changed()
 
+    def heartbeat(self, worker_id: int, generation: int) -> float:
+        """Renew a worker's lease; returns the lease in seconds (0: leases off). Raises
+        ``PreconditionError`` when the worker was evicted, left, or re-registered since."""
+        with self._lock:
+            self._check_worker(worker_id, generation)
+            return self._lease_timeout or 0.0
+
+    def evict_expired(self) -> list[str]:
+        """Evict live workers silent for longer than the lease: they leave SSP/sync membership
+        at once and their later pushes are refused. Returns their names."""
+        with self._lock:
+            now = self._now()
+            live = {w.name: w.heard_at for w in self._workers.values() if w.live}
+            names = expired(live, now, self._lease_timeout)
+            for name in names:
+                worker = self._workers[name]
+                worker.live, worker.evicted = False, True
+                self._workers_evicted += 1
+                log.warning(
+                    "evicted %s (generation %d, clock %d): no heartbeat for %.1fs, lease %.1fs",
+                    name, worker.generation, worker.clock, now - worker.heard_at, self._lease_timeout,
+                )
+            if names:
+                self._membership_changed()
+            return names
+
     def _check_worker(self, worker_id: int, generation: int) -> _Worker:
         # Caller holds _lock.
         for worker in self._workers.values():
             if worker.worker_id == worker_id:
                 if generation != worker.generation:
-                    raise PreconditionError(
+                    raise FencedError(
                         f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
                         f"but its current generation is {worker.generation}: re-register"
                     )
+                if worker.evicted:
+                    raise FencedError(
+                        f"worker {worker.name!r} was evicted: no heartbeat for over "
+                        f"{self._lease_timeout:.1f}s; re-register"
+                    )
                 if not worker.live:
-                    raise PreconditionError(f"worker {worker.name!r} left the job: re-register")
-                worker.last_seen = time.time()
+                    raise FencedError(f"worker {worker.name!r} left the job: re-register")
+                worker.last_seen, worker.heard_at = time.time(), self._now()
                 return worker
-        raise PreconditionError(f"worker id {worker_id} is not registered with this shard: register first")
+        raise FencedError(f"worker id {worker_id} is not registered with this shard: register first")
 
     def _member_clocks(self) -> dict[str, int]:
         return {w.name: w.clock for w in self._workers.values() if w.live}
@@ -508,7 +548,8 @@ class ShardStore:
                 ),
                 "workers": [
                     {"worker_id": w.worker_id, "worker_name": w.name, "generation": w.generation,
-                     "pushes": w.pushes, "last_seen_unix": w.last_seen, "clock": w.clock, "live": w.live}
+                     "pushes": w.pushes, "last_seen_unix": w.last_seen, "clock": w.clock, "live": w.live,
+                     "evicted": w.evicted}
                     for w in self._workers.values()
                 ],
                 "pushes_received": self._pushes_received,
@@ -519,6 +560,8 @@ class ShardStore:
                 "pulls_served": self._pulls_served,
                 "pulls_waiting": self._waiting_pulls,
                 "pull_wait_seconds": self._pull_wait_seconds,
+                "workers_evicted": self._workers_evicted,
+                "lease_seconds": self._lease_timeout or 0.0,
                 "max_staleness": self._max_staleness,
                 "staleness_histogram": list(self._staleness_counts),
                 "uptime_seconds": self._now() - self._started,

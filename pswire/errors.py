@@ -3,8 +3,9 @@
     PSError
      +-- InvalidArgumentError   bad input: unknown variable, wrong dtype/shape/length, NaN/Inf
      +-- TooLargeError          a request beyond the shard's size limits
-     +-- PreconditionError      the job disagrees: mismatching model or settings, stale generation,
-     |                          unregistered worker; re-registering (or fixing the job) is the remedy
+     +-- PreconditionError      the job disagrees: mismatching model or settings
+     |    +-- FencedError       this worker's registration is void (evicted, left, replaced by a
+     |                          newer generation, or unknown to the shard): re-register
      +-- NotReadyError          the shard cannot serve yet (not initialised); retry later
      +-- UnavailableError       a shard cannot be reached (client side, after retries)
      +-- DeadlineError          a call or a wait ran past its deadline (also a ``TimeoutError``)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 __all__ = [
     "DeadlineError",
+    "FencedError",
     "InvalidArgumentError",
     "NotReadyError",
     "PSError",
@@ -40,6 +42,11 @@ class TooLargeError(PSError):
 
 class PreconditionError(PSError):
     """The request disagrees with the job's state (model, settings, membership)."""
+
+
+class FencedError(PreconditionError):
+    """The worker was fenced off (evicted, departed, superseded or unknown): re-register, pull,
+    and carry on. Sent as ``ABORTED`` so clients can tell it from other preconditions."""
 
 
 class NotReadyError(PSError):

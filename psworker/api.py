@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+import time
+
 from pswire import errors
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
@@ -65,6 +67,8 @@ class Session:
         self._params: dict[str, torch.nn.Parameter] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] = {}
+        self.rejoins = 0
+        """How many times this worker re-registered after being fenced off."""
 
     def prepare(
         self,
@@ -95,12 +99,8 @@ class Session:
                 pin = param.device.type == "cuda"
                 self._staging[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
                 self._grads[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
-        initial = {name: p.detach().to("cpu").contiguous() for name, p in self._params.items()}
-        spec = model_spec(initial.items())
-        self.initialized_job = self.client.register(
-            spec, config, worker_name=self.worker_name, job_fingerprint=self.job, initial_values=initial,
-            consistency=consistency,
-        )
+        self._optimizer_config, self._consistency = config, consistency
+        spec = self._register()
         log.info(
             "%s %s the job on %d shard(s): %d variables, optimizer %s lr %g, %s",
             self.worker_name, "initialised" if self.initialized_job else "joined",
@@ -108,6 +108,24 @@ class Session:
         )
         self.pull()
         return model, DistributedOptimizer(self, optimizer if not isinstance(optimizer, OptimizerConfig) else None)
+
+    def _register(self):
+        initial = {name: p.detach().to("cpu").contiguous() for name, p in self._params.items()}
+        spec = model_spec(initial.items())
+        self.initialized_job = self.client.register(
+            spec, self._optimizer_config, worker_name=self.worker_name, job_fingerprint=self.job,
+            initial_values=initial, consistency=self._consistency,
+        )
+        return spec
+
+    def rejoin(self) -> None:
+        """Register again after being fenced off (evicted, or superseded), then pull the job's
+        current weights. Raises like :meth:`prepare`."""
+        started = time.monotonic()
+        self._register()
+        self.pull()
+        self.rejoins += 1
+        log.warning("%s re-registered and pulled in %.2fs", self.worker_name, time.monotonic() - started)
 
     def pull(self, *, wait: bool = True) -> None:
         """Load the shards' current weights into the model's parameters, in place. In ssp/sync
@@ -180,7 +198,16 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.session.push()
+        try:
+            if self.session.client.fenced.is_set():
+                raise errors.FencedError("a heartbeat was refused: this worker was evicted")
+            self.session.push()
+        except errors.FencedError as exc:
+            # The shards fenced this worker off (it was evicted, e.g. after a partition): this
+            # gradient was computed for a registration that no longer exists, so drop it.
+            log.warning("%s: %s; re-registering", self.session.worker_name, exc)
+            self.session.rejoin()
+            return loss
         self.session.pull()
         return loss
 

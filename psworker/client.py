@@ -48,7 +48,7 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.PSError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.TooLargeError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.PreconditionError,
-    grpc.StatusCode.ABORTED: errors.PreconditionError,
+    grpc.StatusCode.ABORTED: errors.FencedError,
     grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineError,
 }
@@ -154,6 +154,12 @@ class ShardClient:
     def leave(self, request: ps_pb2.LeaveRequest) -> None:
         self._call(self._stub.Leave, request)
 
+    def heartbeat(self, request: ps_pb2.HeartbeatRequest, timeout: float) -> ps_pb2.HeartbeatResponse:
+        try:
+            return self._stub.Heartbeat(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address) from exc
+
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
         *, may_wait: bool = False,
@@ -233,6 +239,12 @@ class PSClient:
         self.consistency = Consistency()
         """The job's setting, as the shards reported it at registration."""
         self._sessions: list[_ShardSession] = []
+        self.lease_seconds = 0.0
+        """The shortest lease the shards granted at registration (0: no leases)."""
+        self.fenced = threading.Event()
+        """Set when a shard says this worker's registration is void (evicted): re-register."""
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     @property
     def num_shards(self) -> int:
@@ -271,6 +283,7 @@ class PSClient:
         """
         placement = self.set_placement(spec)
         wanted = consistency or Consistency()
+        leases: list[float] = []
 
         def one(index: int) -> bool:
             session = self._sessions[index]
@@ -284,6 +297,7 @@ class PSClient:
             session.version, session.sequence = reply.version, 0
             session.clock = session.base_clock = reply.clock
             self.consistency = consistency_from_proto(reply.consistency)
+            leases.append(reply.lease_seconds)
             session.known.clear()
             if not reply.must_initialize:
                 return False
@@ -296,7 +310,30 @@ class PSClient:
             session.client.initialize(header, buffers)
             return True
 
-        return any(self._fan_out(one, range(self.num_shards)))
+        initialised = any(self._fan_out(one, range(self.num_shards)))
+        self.fenced.clear()
+        self.lease_seconds = min((lease for lease in leases if lease > 0), default=0.0)
+        if self.lease_seconds and self._heartbeat is None:
+            self._heartbeat = threading.Thread(target=self._heartbeats, name="psclient-heartbeat", daemon=True)
+            self._heartbeat.start()
+        return initialised
+
+    def _heartbeats(self) -> None:
+        """Renew the lease on every shard, three times per lease, from its own thread so that a
+        long training step never starves it."""
+        while not self._heartbeat_stop.wait(timeout=self.lease_seconds / 3):
+            with self._lock:
+                sessions = list(self._sessions)
+            for session in sessions:
+                request = ps_pb2.HeartbeatRequest(worker_id=session.worker_id, generation=session.generation)
+                try:
+                    session.client.heartbeat(request, timeout=max(1.0, self.lease_seconds / 3))
+                except errors.FencedError as exc:
+                    if not self.fenced.is_set():
+                        log.warning("%s", exc)
+                    self.fenced.set()
+                except errors.PSError as exc:
+                    log.debug("heartbeat to %s failed: %s", session.client.address, exc)
 
     def _header(self, session: _ShardSession, base_version: int, parts: Sequence[Part] | None = None) -> ps_pb2.TensorHeader:
         return ps_pb2.TensorHeader(
@@ -402,6 +439,9 @@ class PSClient:
             return list(self._sessions)
 
     def close(self) -> None:
+        self._heartbeat_stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self._clients:
             c.close()

@@ -65,7 +65,7 @@ def _table(shards: list[dict]) -> str:
             mode += f" backup={c['backup_workers']}"
         names = ", ".join(
             f"{w['worker_name']}(gen {w['generation']}, clock {w['clock']}, {w['pushes']} pushes"
-            f"{'' if w['live'] else ', left'})" for w in s["workers"]
+            f"{'' if w['live'] else (', evicted' if w['evicted'] else ', left')})" for w in s["workers"]
         )
         hist = " ".join(
             f"{b['staleness']}{'+' if i == len(s['staleness_histogram']) - 1 else ''}:{b['count']}"
@@ -74,6 +74,7 @@ def _table(shards: list[dict]) -> str:
         lines.append(
             f"{s['address']}: mode {mode}; optimizer {opt.get('name', '-')} lr {opt.get('lr', '-')}; "
             f"staleness histogram {hist or '-'}; pulls waited {s['pull_wait_seconds']:.1f}s; "
+            f"lease {s['lease_seconds']:g}s, {s['workers_evicted']} evicted; "
             f"workers: {names or 'none'}"
         )
     return "\n".join(lines)

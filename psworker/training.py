@@ -191,6 +191,7 @@ def train(config: WorkerConfig) -> dict:
         "seconds": round(seconds, 3),
         "samples_per_second": round(samples / max(seconds, 1e-9), 1),
         "final_loss": sum(recent) / len(recent),
+        "rejoins": session.rejoins if session is not None else 0,
         **metrics,
         **({"losses": losses} if config.record_losses else {}),
         **({"evals": evals + [{"step": total, "seconds": round(seconds, 3), **metrics}]} if config.eval_every else {}),

@@ -38,6 +38,8 @@ def main() -> int:
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--target", type=float, default=0.90)
     parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per distributed worker (default: the task's job steps / workers)")
     parser.add_argument("--out", default="consistency-results.json")
     args = parser.parse_args()
     rows, raw = [], {}
@@ -48,6 +50,8 @@ def main() -> int:
         else:
             cmd = [sys.executable, "-m", "psworker.cluster", "--shards", str(args.shards),
                    "--workers", str(args.workers), *common, *flags]
+            if args.steps:
+                cmd += ["--steps", str(args.steps)]
         print(f"running {label}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pswire/v1/ps.proto\x12\tpswire.v1\"q\n\x08PartSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nfull_shape\x18\x02 \x03(\x03\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.pswire.v1.DType\x12\x11\n\trow_start\x18\x04 \x01(\x03\x12\x0f\n\x07row_end\x18\x05 \x01(\x03\"\xeb\x01\n\x11OptimizerSettings\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x11\n\tdampening\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x07 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x08 \x01(\x01\x12\x0b\n\x03\x65ps\x18\t \x01(\x01\x12\x0f\n\x07\x61msgrad\x18\n \x01(\x08\x12\x10\n\x08lr_decay\x18\x0b \x01(\x01\x12!\n\x19initial_accumulator_value\x18\x0c \x01(\x01\"d\n\x13\x43onsistencySettings\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tstaleness\x18\x02 \x01(\x05\x12\x16\n\x0e\x62\x61\x63kup_workers\x18\x03 \x01(\x05\x12\x14\n\x0cstale_policy\x18\x04 \x01(\t\"\x8c\x02\n\x0fRegisterRequest\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x18\n\x10placement_digest\x18\x04 \x01(\t\x12\"\n\x05parts\x18\x05 \x03(\x0b\x32\x13.pswire.v1.PartSpec\x12/\n\toptimizer\x18\x06 \x01(\x0b\x32\x1c.pswire.v1.OptimizerSettings\x12\x17\n\x0fjob_fingerprint\x18\x07 \x01(\t\x12\x33\n\x0b\x63onsistency\x18\x08 \x01(\x0b\x32\x1e.pswire.v1.ConsistencySettings\"\xa7\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x17\n\x0fmust_initialize\x18\x03 \x01(\x08\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\r\n\x05\x63lock\x18\x05 \x01(\x03\x12\x33\n\x0b\x63onsistency\x18\x06 \x01(\x0b\x32\x1e.pswire.v1.ConsistencySettings\"\xa4\x01\n\x0cTensorHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\"\n\x05parts\x18\x05 \x03(\x0b\x32\x13.pswire.v1.PartSpec\x12\r\n\x05\x63lock\x18\x06 \x01(\x03\x12\x12\n\nbase_clock\x18\x07 \x01(\x03\"?\n\x0bTensorChunk\x12\x12\n\npart_index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"k\n\rTensorMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.pswire.v1.TensorHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pswire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"6\n\x12InitializeResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"B\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\"5\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x0f\n\rLeaveResponse\"\xbc\x01\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x41\n\x0eknown_versions\x18\x03 \x03(\x0b\x32).pswire.v1.PullRequest.KnownVersionsEntry\x12\r\n\x05\x63lock\x18\x04 \x01(\x03\x1a\x34\n\x12KnownVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"R\n\nPulledPart\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pswire.v1.PartSpec\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08included\x18\x03 \x01(\x08\"R\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x63lock\x18\x03 \x01(\x03\x12$\n\x05parts\x18\x02 \x03(\x0b\x32\x15.pswire.v1.PulledPart\"g\n\x0bPullMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pswire.v1.PullHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pswire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\x8d\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x13\n\x0bworker_name\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0e\n\x06pushes\x18\x04 \x01(\x03\x12\x16\n\x0elast_seen_unix\x18\x05 \x01(\x01\x12\r\n\x05\x63lock\x18\x06 \x01(\x03\x12\x0c\n\x04live\x18\x07 \x01(\x08\"3\n\x0fStalenessBucket\x12\x11\n\tstaleness\x18\x01 \x01(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"\xd1\x05\n\x0eStatusResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x15\n\rnum_variables\x18\x06 \x01(\x03\x12\x12\n\nbytes_held\x18\x07 \x01(\x03\x12\x1d\n\x15optimizer_state_bytes\x18\x08 \x01(\x03\x12/\n\toptimizer\x18\t \x01(\x0b\x32\x1c.pswire.v1.OptimizerSettings\x12&\n\x07workers\x18\n \x03(\x0b\x32\x15.pswire.v1.WorkerInfo\x12\x16\n\x0epushes_applied\x18\x0b \x01(\x03\x12\x17\n\x0fpushes_rejected\x18\x0c \x01(\x03\x12\x14\n\x0cpulls_served\x18\r \x01(\x03\x12\x15\n\rmax_staleness\x18\x0e \x01(\x03\x12\x17\n\x0fjob_fingerprint\x18\x0f \x01(\t\x12\"\n\x05parts\x18\x10 \x03(\x0b\x32\x13.pswire.v1.PartSpec\x12\x16\n\x0euptime_seconds\x18\x11 \x01(\x01\x12\x18\n\x10placement_digest\x18\x12 \x01(\t\x12\x17\n\x0fpushes_received\x18\x13 \x01(\x03\x12\x33\n\x0b\x63onsistency\x18\x14 \x01(\x0b\x32\x1e.pswire.v1.ConsistencySettings\x12\r\n\x05\x63lock\x18\x15 \x01(\x03\x12\x16\n\x0epushes_dropped\x18\x16 \x01(\x03\x12\x15\n\rpushes_scaled\x18\x17 \x01(\x03\x12\x37\n\x13staleness_histogram\x18\x18 \x03(\x0b\x32\x1a.pswire.v1.StalenessBucket\x12\x15\n\rpulls_waiting\x18\x19 \x01(\x03\x12\x19\n\x11pull_wait_seconds\x18\x1a \x01(\x01*~\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\x08\n\x04INT8\x10\x07\x12\t\n\x05UINT8\x10\x08\x32\x91\x03\n\x0fParameterServer\x12\x43\n\x08Register\x12\x1a.pswire.v1.RegisterRequest\x1a\x1b.pswire.v1.RegisterResponse\x12G\n\nInitialize\x12\x18.pswire.v1.TensorMessage\x1a\x1d.pswire.v1.InitializeResponse(\x01\x12;\n\x04Push\x12\x18.pswire.v1.TensorMessage\x1a\x17.pswire.v1.PushResponse(\x01\x12\x38\n\x04Pull\x12\x16.pswire.v1.PullRequest\x1a\x16.pswire.v1.PullMessage0\x01\x12:\n\x05Leave\x12\x17.pswire.v1.LeaveRequest\x1a\x18.pswire.v1.LeaveResponse\x12=\n\x06Status\x12\x18.pswire.v1.StatusRequest\x1a\x19.pswire.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12pswire/v1/ps.proto\x12\tpswire.v1\"q\n\x08PartSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nfull_shape\x18\x02 \x03(\x03\x12\x1f\n\x05\x64type\x18\x03 \x01(\x0e\x32\x10.pswire.v1.DType\x12\x11\n\trow_start\x18\x04 \x01(\x03\x12\x0f\n\x07row_end\x18\x05 \x01(\x03\"\xeb\x01\n\x11OptimizerSettings\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x11\n\tdampening\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x07 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x08 \x01(\x01\x12\x0b\n\x03\x65ps\x18\t \x01(\x01\x12\x0f\n\x07\x61msgrad\x18\n \x01(\x08\x12\x10\n\x08lr_decay\x18\x0b \x01(\x01\x12!\n\x19initial_accumulator_value\x18\x0c \x01(\x01\"d\n\x13\x43onsistencySettings\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tstaleness\x18\x02 \x01(\x05\x12\x16\n\x0e\x62\x61\x63kup_workers\x18\x03 \x01(\x05\x12\x14\n\x0cstale_policy\x18\x04 \x01(\t\"\x8c\x02\n\x0fRegisterRequest\x12\x13\n\x0bworker_name\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x18\n\x10placement_digest\x18\x04 \x01(\t\x12\"\n\x05parts\x18\x05 \x03(\x0b\x32\x13.pswire.v1.PartSpec\x12/\n\toptimizer\x18\x06 \x01(\x0b\x32\x1c.pswire.v1.OptimizerSettings\x12\x17\n\x0fjob_fingerprint\x18\x07 \x01(\t\x12\x33\n\x0b\x63onsistency\x18\x08 \x01(\x0b\x32\x1e.pswire.v1.ConsistencySettings\"\xbe\x01\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x17\n\x0fmust_initialize\x18\x03 \x01(\x08\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\r\n\x05\x63lock\x18\x05 \x01(\x03\x12\x33\n\x0b\x63onsistency\x18\x06 \x01(\x0b\x32\x1e.pswire.v1.ConsistencySettings\x12\x15\n\rlease_seconds\x18\x07 \x01(\x01\"\xa4\x01\n\x0cTensorHeader\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\"\n\x05parts\x18\x05 \x03(\x0b\x32\x13.pswire.v1.PartSpec\x12\r\n\x05\x63lock\x18\x06 \x01(\x03\x12\x12\n\nbase_clock\x18\x07 \x01(\x03\"?\n\x0bTensorChunk\x12\x12\n\npart_index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"k\n\rTensorMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.pswire.v1.TensorHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pswire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"6\n\x12InitializeResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\"B\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tstaleness\x18\x02 \x01(\x03\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\"5\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x0f\n\rLeaveResponse\"9\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"*\n\x11HeartbeatResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\"\xbc\x01\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x41\n\x0eknown_versions\x18\x03 \x03(\x0b\x32).pswire.v1.PullRequest.KnownVersionsEntry\x12\r\n\x05\x63lock\x18\x04 \x01(\x03\x1a\x34\n\x12KnownVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"R\n\nPulledPart\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pswire.v1.PartSpec\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08included\x18\x03 \x01(\x08\"R\n\nPullHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05\x63lock\x18\x03 \x01(\x03\x12$\n\x05parts\x18\x02 \x03(\x0b\x32\x15.pswire.v1.PulledPart\"g\n\x0bPullMessage\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.pswire.v1.PullHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pswire.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\x9e\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x13\n\x0bworker_name\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0e\n\x06pushes\x18\x04 \x01(\x03\x12\x16\n\x0elast_seen_unix\x18\x05 \x01(\x01\x12\r\n\x05\x63lock\x18\x06 \x01(\x03\x12\x0c\n\x04live\x18\x07 \x01(\x08\x12\x0f\n\x07\x65victed\x18\x08 \x01(\x08\"3\n\x0fStalenessBucket\x12\x11\n\tstaleness\x18\x01 \x01(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"\x81\x06\n\x0eStatusResponse\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x03\x12\x15\n\rnum_variables\x18\x06 \x01(\x03\x12\x12\n\nbytes_held\x18\x07 \x01(\x03\x12\x1d\n\x15optimizer_state_bytes\x18\x08 \x01(\x03\x12/\n\toptimizer\x18\t \x01(\x0b\x32\x1c.pswire.v1.OptimizerSettings\x12&\n\x07workers\x18\n \x03(\x0b\x32\x15.pswire.v1.WorkerInfo\x12\x16\n\x0epushes_applied\x18\x0b \x01(\x03\x12\x17\n\x0fpushes_rejected\x18\x0c \x01(\x03\x12\x14\n\x0cpulls_served\x18\r \x01(\x03\x12\x15\n\rmax_staleness\x18\x0e \x01(\x03\x12\x17\n\x0fjob_fingerprint\x18\x0f \x01(\t\x12\"\n\x05parts\x18\x10 \x03(\x0b\x32\x13.pswire.v1.PartSpec\x12\x16\n\x0euptime_seconds\x18\x11 \x01(\x01\x12\x18\n\x10placement_digest\x18\x12 \x01(\t\x12\x17\n\x0fpushes_received\x18\x13 \x01(\x03\x12\x33\n\x0b\x63onsistency\x18\x14 \x01(\x0b\x32\x1e.pswire.v1.ConsistencySettings\x12\r\n\x05\x63lock\x18\x15 \x01(\x03\x12\x16\n\x0epushes_dropped\x18\x16 \x01(\x03\x12\x15\n\rpushes_scaled\x18\x17 \x01(\x03\x12\x37\n\x13staleness_histogram\x18\x18 \x03(\x0b\x32\x1a.pswire.v1.StalenessBucket\x12\x15\n\rpulls_waiting\x18\x19 \x01(\x03\x12\x19\n\x11pull_wait_seconds\x18\x1a \x01(\x01\x12\x17\n\x0fworkers_evicted\x18\x1b \x01(\x03\x12\x15\n\rlease_seconds\x18\x1c \x01(\x01*~\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\x08\n\x04INT8\x10\x07\x12\t\n\x05UINT8\x10\x08\x32\xd9\x03\n\x0fParameterServer\x12\x43\n\x08Register\x12\x1a.pswire.v1.RegisterRequest\x1a\x1b.pswire.v1.RegisterResponse\x12G\n\nInitialize\x12\x18.pswire.v1.TensorMessage\x1a\x1d.pswire.v1.InitializeResponse(\x01\x12;\n\x04Push\x12\x18.pswire.v1.TensorMessage\x1a\x17.pswire.v1.PushResponse(\x01\x12\x38\n\x04Pull\x12\x16.pswire.v1.PullRequest\x1a\x16.pswire.v1.PullMessage0\x01\x12:\n\x05Leave\x12\x17.pswire.v1.LeaveRequest\x1a\x18.pswire.v1.LeaveResponse\x12\x46\n\tHeartbeat\x12\x1b.pswire.v1.HeartbeatRequest\x1a\x1c.pswire.v1.HeartbeatResponse\x12=\n\x06Status\x12\x18.pswire.v1.StatusRequest\x1a\x19.pswire.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLREQUEST_KNOWNVERSIONSENTRY']._loaded_options = None
   _globals['_PULLREQUEST_KNOWNVERSIONSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2868
-  _globals['_DTYPE']._serialized_end=2994
+  _globals['_DTYPE']._serialized_start=3059
+  _globals['_DTYPE']._serialized_end=3185
   _globals['_PARTSPEC']._serialized_start=33
   _globals['_PARTSPEC']._serialized_end=146
   _globals['_OPTIMIZERSETTINGS']._serialized_start=149
@@ -44,39 +44,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=489
   _globals['_REGISTERREQUEST']._serialized_end=757
   _globals['_REGISTERRESPONSE']._serialized_start=760
-  _globals['_REGISTERRESPONSE']._serialized_end=927
-  _globals['_TENSORHEADER']._serialized_start=930
-  _globals['_TENSORHEADER']._serialized_end=1094
-  _globals['_TENSORCHUNK']._serialized_start=1096
-  _globals['_TENSORCHUNK']._serialized_end=1159
-  _globals['_TENSORMESSAGE']._serialized_start=1161
-  _globals['_TENSORMESSAGE']._serialized_end=1268
-  _globals['_INITIALIZERESPONSE']._serialized_start=1270
-  _globals['_INITIALIZERESPONSE']._serialized_end=1324
-  _globals['_PUSHRESPONSE']._serialized_start=1326
-  _globals['_PUSHRESPONSE']._serialized_end=1392
-  _globals['_LEAVEREQUEST']._serialized_start=1394
-  _globals['_LEAVEREQUEST']._serialized_end=1447
-  _globals['_LEAVERESPONSE']._serialized_start=1449
-  _globals['_LEAVERESPONSE']._serialized_end=1464
-  _globals['_PULLREQUEST']._serialized_start=1467
-  _globals['_PULLREQUEST']._serialized_end=1655
-  _globals['_PULLREQUEST_KNOWNVERSIONSENTRY']._serialized_start=1603
-  _globals['_PULLREQUEST_KNOWNVERSIONSENTRY']._serialized_end=1655
-  _globals['_PULLEDPART']._serialized_start=1657
-  _globals['_PULLEDPART']._serialized_end=1739
-  _globals['_PULLHEADER']._serialized_start=1741
-  _globals['_PULLHEADER']._serialized_end=1823
-  _globals['_PULLMESSAGE']._serialized_start=1825
-  _globals['_PULLMESSAGE']._serialized_end=1928
-  _globals['_STATUSREQUEST']._serialized_start=1930
-  _globals['_STATUSREQUEST']._serialized_end=1945
-  _globals['_WORKERINFO']._serialized_start=1948
-  _globals['_WORKERINFO']._serialized_end=2089
-  _globals['_STALENESSBUCKET']._serialized_start=2091
-  _globals['_STALENESSBUCKET']._serialized_end=2142
-  _globals['_STATUSRESPONSE']._serialized_start=2145
-  _globals['_STATUSRESPONSE']._serialized_end=2866
-  _globals['_PARAMETERSERVER']._serialized_start=2997
-  _globals['_PARAMETERSERVER']._serialized_end=3398
+  _globals['_REGISTERRESPONSE']._serialized_end=950
+  _globals['_TENSORHEADER']._serialized_start=953
+  _globals['_TENSORHEADER']._serialized_end=1117
+  _globals['_TENSORCHUNK']._serialized_start=1119
+  _globals['_TENSORCHUNK']._serialized_end=1182
+  _globals['_TENSORMESSAGE']._serialized_start=1184
+  _globals['_TENSORMESSAGE']._serialized_end=1291
+  _globals['_INITIALIZERESPONSE']._serialized_start=1293
+  _globals['_INITIALIZERESPONSE']._serialized_end=1347
+  _globals['_PUSHRESPONSE']._serialized_start=1349
+  _globals['_PUSHRESPONSE']._serialized_end=1415
+  _globals['_LEAVEREQUEST']._serialized_start=1417
+  _globals['_LEAVEREQUEST']._serialized_end=1470
+  _globals['_LEAVERESPONSE']._serialized_start=1472
+  _globals['_LEAVERESPONSE']._serialized_end=1487
+  _globals['_HEARTBEATREQUEST']._serialized_start=1489
+  _globals['_HEARTBEATREQUEST']._serialized_end=1546
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1548
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1590
+  _globals['_PULLREQUEST']._serialized_start=1593
+  _globals['_PULLREQUEST']._serialized_end=1781
+  _globals['_PULLREQUEST_KNOWNVERSIONSENTRY']._serialized_start=1729
+  _globals['_PULLREQUEST_KNOWNVERSIONSENTRY']._serialized_end=1781
+  _globals['_PULLEDPART']._serialized_start=1783
+  _globals['_PULLEDPART']._serialized_end=1865
+  _globals['_PULLHEADER']._serialized_start=1867
+  _globals['_PULLHEADER']._serialized_end=1949
+  _globals['_PULLMESSAGE']._serialized_start=1951
+  _globals['_PULLMESSAGE']._serialized_end=2054
+  _globals['_STATUSREQUEST']._serialized_start=2056
+  _globals['_STATUSREQUEST']._serialized_end=2071
+  _globals['_WORKERINFO']._serialized_start=2074
+  _globals['_WORKERINFO']._serialized_end=2232
+  _globals['_STALENESSBUCKET']._serialized_start=2234
+  _globals['_STALENESSBUCKET']._serialized_end=2285
+  _globals['_STATUSRESPONSE']._serialized_start=2288
+  _globals['_STATUSRESPONSE']._serialized_end=3057
+  _globals['_PARAMETERSERVER']._serialized_start=3188
+  _globals['_PARAMETERSERVER']._serialized_end=3661
 # @@protoc_insertion_point(module_scope)

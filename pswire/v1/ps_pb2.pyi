@@ -103,20 +103,22 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency")
+    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MUST_INITIALIZE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     must_initialize: bool
     version: int
     clock: int
     consistency: ConsistencySettings
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock")
@@ -184,6 +186,20 @@ class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "generation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    generation: int
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds",)
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+
 class PullRequest(_message.Message):
     __slots__ = ("worker_id", "generation", "known_versions", "clock")
     class KnownVersionsEntry(_message.Message):
@@ -236,7 +252,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "worker_name", "generation", "pushes", "last_seen_unix", "clock", "live")
+    __slots__ = ("worker_id", "worker_name", "generation", "pushes", "last_seen_unix", "clock", "live", "evicted")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +260,7 @@ class WorkerInfo(_message.Message):
     LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     worker_name: str
     generation: int
@@ -251,7 +268,8 @@ class WorkerInfo(_message.Message):
     last_seen_unix: float
     clock: int
     live: bool
-    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., generation: _Optional[int] = ..., pushes: _Optional[int] = ..., last_seen_unix: _Optional[float] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ...) -> None: ...
+    evicted: bool
+    def __init__(self, worker_id: _Optional[int] = ..., worker_name: _Optional[str] = ..., generation: _Optional[int] = ..., pushes: _Optional[int] = ..., last_seen_unix: _Optional[float] = ..., clock: _Optional[int] = ..., live: _Optional[bool] = ..., evicted: _Optional[bool] = ...) -> None: ...
 
 class StalenessBucket(_message.Message):
     __slots__ = ("staleness", "count")
@@ -262,7 +280,7 @@ class StalenessBucket(_message.Message):
     def __init__(self, staleness: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds")
+    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +307,8 @@ class StatusResponse(_message.Message):
     STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     PULLS_WAITING_FIELD_NUMBER: _ClassVar[int]
     PULL_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     address: str
     shard_index: int
     num_shards: int
@@ -315,4 +335,6 @@ class StatusResponse(_message.Message):
     staleness_histogram: _containers.RepeatedCompositeFieldContainer[StalenessBucket]
     pulls_waiting: int
     pull_wait_seconds: float
-    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ...) -> None: ...
+    workers_evicted: int
+    lease_seconds: float
+    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...

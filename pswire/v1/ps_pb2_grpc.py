@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=pswire_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/pswire.v1.ParameterServer/Heartbeat',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/pswire.v1.ParameterServer/Status',
                 request_serializer=pswire_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
@@ -104,6 +109,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Renew the worker's lease; FAILED_PRECONDITION once it was evicted (re-register).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -137,6 +149,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=pswire_dot_v1_dot_ps__pb2.LeaveRequest.FromString,
                     response_serializer=pswire_dot_v1_dot_ps__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -279,6 +296,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Leave',
             pswire_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
             pswire_dot_v1_dot_ps__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/Heartbeat',
+            pswire_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

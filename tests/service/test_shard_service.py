@@ -502,7 +502,7 @@ def test_initialize_by_unknown_worker_or_without_job_is_refused(stub):
     stranger = Worker(worker_id=42, generation=1)
     expect_rpc_error(lambda: initialize(stub, stranger), grpc.StatusCode.FAILED_PRECONDITION, "register")
     worker, _ = register(stub)
-    expect_rpc_error(lambda: initialize(stub, stranger), grpc.StatusCode.FAILED_PRECONDITION,
+    expect_rpc_error(lambda: initialize(stub, stranger), grpc.StatusCode.ABORTED,
                      "worker id 42", "register")
     assert status(stub).state == "initializing"
     assert initialize(stub, worker).applied
@@ -639,7 +639,7 @@ def test_push_by_unregistered_worker_is_refused(ready):
     before, before_status = pull(ready.stub), status(ready.stub)
     stranger = Worker(worker_id=999, generation=1)
     expect_rpc_error(lambda: push(ready.stub, stranger, GRADS, base_version=1),
-                     grpc.StatusCode.FAILED_PRECONDITION, "worker id 999", "not registered", "register")
+                     grpc.StatusCode.ABORTED, "worker id 999", "not registered", "register")
     assert_unchanged_and_serving(ready, before, before_status, rejected=1)
 
 
@@ -649,7 +649,7 @@ def test_push_by_stale_generation_is_refused(ready):
     assert (new.worker_id, new.generation) == (old.worker_id, old.generation + 1)
     before, before_status = pull(ready.stub), status(ready.stub)
     expect_rpc_error(lambda: push(ready.stub, old, GRADS, base_version=1),
-                     grpc.StatusCode.FAILED_PRECONDITION,
+                     grpc.StatusCode.ABORTED,
                      "'worker-1'", f"generation {old.generation}", f"generation is {new.generation}", "re-register")
     assert_unchanged_and_serving(ready, before, before_status, rejected=1)
     assert push(ready.stub, new, GRADS, base_version=2).version == 3

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -193,6 +193,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.params[key].add_(mean, alpha=-1.0)
             self.part_version[key] = self.version
         self.aggregates += 1
+        event(f"aggregate of {self.received}")
         self.record_staleness(0)
         self.sums, self.counts, self.received = {}, {}, 0
         self.open_clock += 1
@@ -243,7 +244,60 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data(), use_known=st.booleans())
     def pull(self, data, use_known):
         """A live worker reads at its own clock, without waiting."""
+        self.do_pull(self.pick(data, self.live()), use_known)
+
+    @precondition(lambda self: any(w.live and w.pulled for w in self.workers.values()))
+    @rule(data=st.data())
+    def push(self, data):
+        """A worker that pulled pushes a gradient (or, in ssp/sync, just its clock) for its clock,
+        based on what it pulled; after a re-registration that pull may be from its old generation."""
+        self.do_push(self.pick(data, [w for w in self.live() if w.pulled]), data)
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data(), use_known=st.booleans(), overlapped=st.booleans())
+    def round(self, data, use_known, overlapped):
+        """A training round: every live worker pulls and (when its pull succeeds) pushes, either
+        one after the other or all pulls first and then the pushes in any order."""
+        self.do_round(data, use_known, overlapped)
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data(), steps=st.integers(1, 6))
+    def run_ahead(self, data, steps):
+        """One worker trains alone for a few steps, until a pull of it would have to wait."""
         worker = self.pick(data, self.live())
+        for _ in range(steps):
+            if not self.do_pull(worker, use_known=True):
+                break
+            self.do_push(worker, data)
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data(), rounds=st.integers(0, 6), overlapped=st.booleans())
+    def away_and_back(self, data, rounds, overlapped):
+        """A worker reads, leaves (its lease expired, say) while the others train on, then
+        re-registers and pushes the gradient it computed from that old read."""
+        worker = self.pick(data, self.live())
+        self.do_pull(worker, use_known=False)
+        self.store.leave(worker.worker_id, worker.generation)
+        worker.live = False
+        self.membership_changed()
+        for _ in range(rounds):
+            self.do_round(data, use_known=True, overlapped=overlapped)
+        self._register(worker.name, must_initialize=False)
+        if worker.pulled is not None:
+            self.do_push(worker, data)
+
+    def do_round(self, data, use_known: bool, overlapped: bool) -> None:
+        workers = sorted(self.live(), key=lambda w: w.name)
+        if not overlapped:
+            for worker in workers:
+                if self.do_pull(worker, use_known):
+                    self.do_push(worker, data)
+            return
+        pulled = [w for w in workers if self.do_pull(w, use_known)]
+        for worker in data.draw(st.permutations(pulled), label="push order"):
+            self.do_push(worker, data)
+
+    def do_pull(self, worker: WorkerModel, use_known: bool) -> bool:
         clock = worker.clock
         members = self.member_clocks()
         if self.mode is Mode.ASYNC:
@@ -257,6 +311,7 @@ class StoreMachine(RuleBasedStateMachine):
         known = dict(worker.known) if use_known else {}
         call = dict(chunk_bytes=CHUNK_BYTES, timeout=0.0, worker_id=worker.worker_id, clock=clock)
         if not proceed:
+            event("pull refused")
             with pytest.raises(DeadlineError) as caught:
                 self.store.pull(known, **call)
             message = str(caught.value)
@@ -266,7 +321,7 @@ class StoreMachine(RuleBasedStateMachine):
                 slowest = min((c, n) for n, c in members.items() if c < need)
                 assert decision.waiting_for == slowest[1]
                 assert f"waiting for {slowest[1]}" in message
-            return
+            return False
         snapshot = self.store.pull(known, **call)
         self.pulls_served += 1
         assert snapshot.version == self.version
@@ -283,13 +338,9 @@ class StoreMachine(RuleBasedStateMachine):
                 torch.testing.assert_close(decode(pulled.part, pulled.chunks), self.params[key])
         worker.pulled = Pulled(snapshot.version, snapshot.clock, clock, worker.generation)
         worker.known = {p.part.key: p.version for p in snapshot.parts}
+        return True
 
-    @precondition(lambda self: any(w.live and w.pulled for w in self.workers.values()))
-    @rule(data=st.data())
-    def push(self, data):
-        """A worker that pulled pushes a gradient (or, in ssp/sync, just its clock) for its clock,
-        based on what it pulled; after a re-registration that pull may be from its old generation."""
-        worker = self.pick(data, [w for w in self.live() if w.pulled])
+    def do_push(self, worker: WorkerModel, data) -> None:
         pulled = worker.pulled
         assert pulled is not None
         keys = data.draw(
@@ -308,6 +359,7 @@ class StoreMachine(RuleBasedStateMachine):
         sent = [g.clone() for g in grads]
         result = self.store.apply_push(**{**args, "grads": sent})
         assert result == expected
+        event(f"push {result.action.value}" + (" (stale)" if result.staleness > (self.cons.bound or 0) else ""))
         for g, s in zip(grads, sent):
             assert torch.equal(g, s), "the store wrote into a gradient it was handed"
         worker.sequence = sequence
