@@ -26,6 +26,12 @@ class ServerConfig:
     chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, metadata={"help": 'Chunk size of pull streams.'})
     init_timeout: float = field(default=60.0, metadata={"help": 'Seconds a registered initialiser has to upload the variables before another worker may.'})
     lease_timeout: float = field(default=30.0, metadata={"help": "Seconds without a heartbeat (or any call) after which a worker is evicted; 0 disables eviction."})
+    checkpoint_dir: str | None = field(default=None, metadata={"help": "Directory (may be shared storage) for checkpoints; enables psctl checkpoint."})
+    checkpoint_every: str = field(default="", metadata={"help": "Periodic checkpoints: 30s (seconds) or 500 (steps every worker completed); empty: only on demand."})
+    keep: int = field(default=3, metadata={"help": "Complete checkpoints kept; older ones are deleted."})
+    restore: bool = field(default=False, metadata={"help": "Start from this shard's part of the newest complete checkpoint (needs --shard-index and --num-shards)."})
+    shard_index: int = field(default=-1, metadata={"help": "This shard's index in the job (needed by --restore)."})
+    num_shards: int = field(default=0, metadata={"help": "Shards in the job (needed by --restore)."})
     grace: float = field(default=5.0, metadata={"help": 'Seconds in-flight RPCs get to finish on shutdown.'})
     torch_threads: int = field(default=1, metadata={"help": "Threads torch may use for updates; one process per shard, so 1 avoids oversubscribing cores."})
     log_level: str = field(default="INFO", metadata={"help": "Logging level: DEBUG, INFO, WARNING, ERROR."})
@@ -37,6 +43,15 @@ class ServerConfig:
             raise ValueError("threads must be >= 1 and max_concurrent_rpcs >= threads")
         if self.chunk_bytes < 1024 or self.chunk_bytes > (4 << 20) - 4096:
             raise ValueError("chunk_bytes must be between 1 KiB and just under 4 MiB")
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1, got {self.keep}")
+        if (self.checkpoint_every or self.restore) and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every and --restore need --checkpoint-dir")
+        if self.restore and not 0 <= self.shard_index < self.num_shards:
+            raise ValueError("--restore needs --shard-index I and --num-shards N with 0 <= I < N")
+        from psserver.checkpointer import parse_schedule
+
+        parse_schedule(self.checkpoint_every)
         if self.lease_timeout < 0:
             raise ValueError(f"lease_timeout must be >= 0, got {self.lease_timeout}")
         if self.torch_threads < 1:
@@ -54,6 +69,10 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         epilog="Every flag can also be set as PSSERVER_<FLAG> (e.g. PSSERVER_PORT=7000); flags win.",
     )
     for f in dataclasses.fields(ServerConfig):
+        if _kind(f) is bool:
+            parser.add_argument("--" + f.name.replace("_", "-"), action="store_true", default=None,
+                                help=f.metadata.get("help", ""))
+            continue
         parser.add_argument(
             "--" + f.name.replace("_", "-"), type=_kind(f), default=None,
             help=f"{f.metadata.get('help', '')} (default: {f.default})",
@@ -66,6 +85,9 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         if flag_value is not None:
             values[f.name] = flag_value
         elif env_value is not None:
+            if _kind(f) is bool:
+                values[f.name] = env_value.strip().lower() in ("1", "true", "yes", "on")
+                continue
             try:
                 values[f.name] = _kind(f)(env_value)
             except ValueError:
@@ -77,4 +99,4 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
 
 
 def _kind(f: dataclasses.Field) -> type:
-    return {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+    return {"int": int, "float": float, "bool": bool}.get(str(f.type).split(" ")[0], str)

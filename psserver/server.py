@@ -13,6 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pswire.v1 import ps_pb2_grpc
+from psserver.checkpoint import CheckpointError
+from psserver.checkpointer import Checkpointer, parse_schedule
 from psserver.config import ServerConfig
 from psserver.servicer import ParameterServerServicer
 from psserver.store import ShardStore
@@ -37,6 +39,7 @@ class Shard:
     health: health.HealthServicer
     config: ServerConfig
     reaper: "_Reaper | None" = None
+    checkpointer: "Checkpointer | None" = None
 
     @property
     def address(self) -> str:
@@ -47,6 +50,8 @@ class Shard:
         self.health.enter_graceful_shutdown()
         if self.reaper is not None:
             self.reaper.stop()
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
         self.server.stop(self.config.grace if grace is None else grace).wait(timeout=30)
 
 
@@ -72,8 +77,9 @@ class _Reaper:
         self._thread.join(timeout=5)
 
 
-def create_server(config: ServerConfig, *, store: ShardStore | None = None) -> Shard:
-    """Build, bind and start a shard. Raises ``RuntimeError`` if the address cannot be bound."""
+def create_server(config: ServerConfig, *, store: ShardStore | None = None, failpoint=None) -> Shard:
+    """Build, bind and start a shard. Raises ``RuntimeError`` if the address cannot be bound or
+    a requested restore fails (naming why)."""
     lease = config.lease_timeout or None
     store = store or ShardStore(
         init_timeout=config.init_timeout, max_waiting_pulls=max(1, config.threads - 2), lease_timeout=lease
@@ -87,6 +93,18 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None) -> S
             ("grpc.so_reuseport", 0),
         ],
     )
+    checkpointer = None
+    if config.checkpoint_dir:
+        checkpointer = Checkpointer(
+            store, config.checkpoint_dir, keep=config.keep, schedule=parse_schedule(config.checkpoint_every),
+            failpoint=failpoint,
+        )
+        if config.restore:
+            try:
+                restored = checkpointer.restore(config.shard_index, config.num_shards)
+            except CheckpointError as exc:
+                raise RuntimeError(f"cannot restore: {exc}") from exc
+            log.info("restored checkpoint %d from %s", restored, config.checkpoint_dir)
     target = f"{config.host}:{config.port}"
     try:
         port = server.add_insecure_port(target)
@@ -96,7 +114,8 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None) -> S
         raise RuntimeError(f"cannot bind {target}")
     address = f"{config.host}:{port}"
     servicer = ParameterServerServicer(
-        store, address=address, chunk_bytes=config.chunk_bytes, max_request_bytes=config.max_request_bytes
+        store, address=address, chunk_bytes=config.chunk_bytes, max_request_bytes=config.max_request_bytes,
+        checkpointer=checkpointer,
     )
     ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -108,7 +127,9 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None) -> S
         _write_atomically(config.port_file, f"{port}\n")
     log.info("psserver listening on %s", address)
     reaper = _Reaper(store, lease) if lease else None
-    return Shard(server, port, store, health_servicer, config, reaper)
+    if checkpointer is not None:
+        checkpointer.start()
+    return Shard(server, port, store, health_servicer, config, reaper, checkpointer)
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -40,8 +40,11 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, store: ShardStore, *, address: str, chunk_bytes: int, max_request_bytes: int) -> None:
+    def __init__(
+        self, store: ShardStore, *, address: str, chunk_bytes: int, max_request_bytes: int, checkpointer=None
+    ) -> None:
         self._store = store
+        self._checkpointer = checkpointer
         self._address = address
         self._chunk_bytes = chunk_bytes
         self._max_request_bytes = max_request_bytes
@@ -76,6 +79,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             clock=result.clock,
             consistency=consistency_to_proto(result.consistency),
             lease_seconds=result.lease_seconds,
+            data=ps_pb2.DataPosition(**result.data) if result.data else None,
         )
 
     def _receive(
@@ -114,12 +118,25 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             result = self._store.apply_push(
                 header.worker_id, header.generation, header.sequence, header.base_version, parts, grads,
                 clock=header.clock, base_clock=header.base_clock,
+                data={"step": header.data.step, "epoch": header.data.epoch, "position": header.data.position}
+                if header.HasField("data") else None,
             )
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()
             log.warning("push refused: %s", exc)
             _abort(context, exc)
         return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
+
+    def Checkpoint(self, request: ps_pb2.CheckpointRequest, context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
+        try:
+            if self._checkpointer is None:
+                raise errors.PreconditionError("this shard has no --checkpoint-dir")
+            path, version, complete = self._checkpointer.checkpoint(request.checkpoint_id)
+        except (errors.PSError, ValueError) as exc:
+            _abort(context, exc)
+        return ps_pb2.CheckpointResponse(
+            checkpoint_id=request.checkpoint_id, path=path, version=version, complete=complete
+        )
 
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
         try:
@@ -195,4 +212,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             pull_wait_seconds=s["pull_wait_seconds"],
             workers_evicted=s["workers_evicted"],
             lease_seconds=s["lease_seconds"],
+            last_checkpoint_id=self._checkpointer.last_id if self._checkpointer else 0,
+            last_checkpoint_path=self._checkpointer.last_path if self._checkpointer else "",
+            checkpoint_dir=self._checkpointer.directory if self._checkpointer else "",
         )

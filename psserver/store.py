@@ -19,6 +19,7 @@ import torch
 from pswire.codec import Part, dtype_name, tensor_bytes
 from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from psserver import consistency as cons
+from psserver import snapshot
 from psserver.leases import expired
 from psserver.consistency import Mode, PushAction
 from psserver.job import Registration, check_finite, check_parts, check_same_job, fmt_bytes
@@ -47,6 +48,8 @@ class RegisterResult:
     clock: int
     consistency: cons.Consistency
     lease_seconds: float = 0.0
+    data: dict = field(default_factory=dict)
+    """This worker's last recorded progress (a restarted worker resumes from it)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,10 @@ class _Worker:
     last_seen: float = field(default_factory=time.time)
     heard_at: float = 0.0
     """When the shard last heard from it, on the store's monotonic clock (for its lease)."""
+    fenced: str = ""
+    """Why this registration is void until the worker re-registers (e.g. the shard restored)."""
+    data: dict = field(default_factory=dict)
+    """The worker's progress as its last push reported it: step, epoch, position."""
     applied: dict[int, PushResult] = field(default_factory=dict)
     """Sequence -> reply of this generation's recent pushes, oldest first (bounded)."""
     max_sequence: int = 0
@@ -139,6 +146,7 @@ class ShardStore:
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
         self._received = 0
+        self._contributors: set[str] = set()
         self._waiting_pulls = 0
         self._pull_wait_seconds = 0.0
         self._pushes_received = 0
@@ -184,7 +192,7 @@ class ShardStore:
                 worker.generation += 1
                 worker.applied.clear()  # sequences restart with each generation
                 worker.max_sequence = 0
-                worker.clock, worker.live, worker.evicted = start, True, False
+                worker.clock, worker.live, worker.evicted, worker.fenced = start, True, False, ""
             worker.last_seen, worker.heard_at = time.time(), self._now()
             must_init = False
             if self._state is ShardState.INITIALIZING:
@@ -196,7 +204,7 @@ class ShardStore:
             self._changed.notify_all()
             return RegisterResult(
                 worker.worker_id, worker.generation, must_init, self._version, start, self._job.consistency,
-                self._lease_timeout or 0.0,
+                self._lease_timeout or 0.0, dict(worker.data),
             )
 
     def leave(self, worker_id: int, generation: int) -> None:
@@ -242,6 +250,8 @@ class ShardStore:
                         f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
                         f"but its current generation is {worker.generation}: re-register"
                     )
+                if worker.fenced:
+                    raise FencedError(f"worker {worker.name!r}: {worker.fenced}; re-register")
                 if worker.evicted:
                     raise FencedError(
                         f"worker {worker.name!r} was evicted: no heartbeat for over "
@@ -262,13 +272,20 @@ class ShardStore:
             return self._open_clock
         return cons.shard_clock(self._member_clocks(), self._clock_floor)
 
+    def _quorum(self) -> int:
+        assert self._job is not None
+        return cons.sync_quorum(self._job.consistency, sum(w.live for w in self._workers.values()))
+
+    def _live_contributors(self) -> int:
+        # Gradients of workers that left still join the mean, but only live ones fill a quorum.
+        return sum(1 for n in self._contributors if self._workers[n].live)
+
     def _membership_changed(self) -> None:
         # Caller holds _lock. A clock may have advanced, or a sync quorum been reached.
         self._clock_floor = self._current_clock()
         job = self._job
         if job is not None and job.consistency.mode is Mode.SYNC and self._received:
-            live = sum(w.live for w in self._workers.values())
-            if self._received >= cons.sync_quorum(job.consistency, live):
+            if self._live_contributors() >= self._quorum():
                 self._apply_aggregate()
         self._changed.notify_all()
 
@@ -345,6 +362,7 @@ class ShardStore:
         *,
         clock: int = 0,
         base_clock: int = 0,
+        data: Mapping[str, int] | None = None,
     ) -> PushResult:
         """Handle one push atomically per the job's consistency: apply it (every part or none),
         scale it, drop it, or add it to the open sync clock.
@@ -377,13 +395,16 @@ class ShardStore:
             if mode is not Mode.ASYNC and clock < worker.clock:
                 raise InvalidArgumentError(f"push for clock {clock}, but {worker.name} is already at clock {worker.clock}")
             staleness = self._version - base_version if mode is Mode.ASYNC else shard_clock - base_clock
-            live = sum(w.live for w in self._workers.values())
             decision = cons.decide_push(
                 job.consistency, staleness, push_clock=clock, open_clock=self._open_clock,
-                received=self._received, quorum=cons.sync_quorum(job.consistency, live),
+                received=self._live_contributors(), quorum=self._quorum(),
             )
+            if decision.action is PushAction.ACCUMULATE and worker.name in self._contributors:
+                # One gradient per worker per clock, even across a re-registration.
+                decision = cons.PushDecision(PushAction.DROP, f"sync: {worker.name} already sent clock {clock}")
             if decision.action is PushAction.ACCUMULATE:
                 self._accumulate(parts, grads)
+                self._contributors.add(worker.name)
             elif decision.action is PushAction.DROP:
                 self._pushes_dropped += 1
                 log.debug("push of %s dropped: %s", worker.name, decision.reason)
@@ -398,14 +419,15 @@ class ShardStore:
                 self._record_staleness(staleness)
             worker.pushes += 1
             worker.clock = max(worker.clock, clock + 1)
+            if data:
+                worker.data = dict(data)
             result = PushResult(self._version, staleness, decision.action)
             if sequence > 0:
                 worker.max_sequence = sequence
                 worker.applied[sequence] = result
                 if len(worker.applied) > self._dedupe_window:
                     del worker.applied[next(iter(worker.applied))]
-            if mode is not Mode.ASYNC:
-                self._membership_changed()
+            self._membership_changed()
             return result
 
     def _accumulate(self, parts: Sequence[Part], grads: Sequence[torch.Tensor]) -> None:
@@ -433,6 +455,7 @@ class ShardStore:
         self._pushes_applied += 1
         self._record_staleness(0)
         self._sums, self._counts, self._received = {}, {}, 0
+        self._contributors = set()
         self._open_clock += 1
 
     def _record_staleness(self, staleness: int) -> None:
@@ -566,6 +589,99 @@ class ShardStore:
                 "staleness_histogram": list(self._staleness_counts),
                 "uptime_seconds": self._now() - self._started,
             }
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def export(self) -> tuple[int, dict[str, torch.Tensor], dict]:
+        """A consistent copy of the whole shard state for a checkpoint: ``(version, tensors,
+        metadata)``. Raises ``NotReadyError`` before initialisation."""
+        with self._lock:
+            if self._state is not ShardState.READY or self._job is None:
+                raise NotReadyError("nothing to checkpoint: the shard is not initialised")
+            tensors: dict[str, torch.Tensor] = {}
+            for key, slot in self._slots.items():
+                tensors[f"var/{key}"] = slot.value.clone()
+                for name, t in slot.state.items():
+                    tensors[f"opt/{key}/{name}"] = t.clone()
+            for key, total in self._sums.items():
+                tensors[f"sum/{key}"] = total.clone()
+            metadata = {
+                "format": snapshot.FORMAT,
+                "job": snapshot.encode_job(self._job),
+                "version": self._version,
+                "clock": self._current_clock(),
+                "clock_floor": self._clock_floor,
+                "open_clock": self._open_clock,
+                "received": self._received,
+                "contributors": sorted(self._contributors),
+                "counts": dict(self._counts),
+                "slot_versions": {k: s.version for k, s in self._slots.items()},
+                "next_worker_id": self._next_worker_id,
+                "workers": [
+                    {"name": w.name, "id": w.worker_id, "generation": w.generation, "clock": w.clock,
+                     "live": w.live, "evicted": w.evicted, "pushes": w.pushes, "max_sequence": w.max_sequence,
+                     "applied": [[q, r.version, r.staleness, r.action.value] for q, r in w.applied.items()],
+                     "data": w.data}
+                    for w in self._workers.values()
+                ],
+                "counters": {"pushes_applied": self._pushes_applied, "pushes_dropped": self._pushes_dropped,
+                             "pushes_scaled": self._pushes_scaled, "max_staleness": self._max_staleness,
+                             "staleness_histogram": list(self._staleness_counts)},
+            }
+            return self._version, tensors, metadata
+
+    def restore(self, tensors: dict[str, torch.Tensor], metadata: dict, *, source: str) -> None:
+        """Replace this (empty) shard's state with a checkpoint's, after verifying all of it.
+
+        Workers stay known (ids, generations, dedupe marks, progress) but are fenced: their next
+        call tells them to re-register, pull the restored weights and carry on. Raises
+        ``PreconditionError`` if the shard already holds a job, ``ValueError`` naming what is
+        wrong with the checkpoint (and then nothing has changed)."""
+        decoded = snapshot.decode(tensors, metadata)
+        rule = create_update_rule(decoded.job.optimizer)
+        for key, state in decoded.states.items():
+            fresh = rule.init_state(decoded.values[key])
+            if set(state) != set(fresh):
+                raise ValueError(f"optimizer state of {key!r} has {sorted(state)}, expected {sorted(fresh)}")
+            for name, t in state.items():
+                if t.dtype != fresh[name].dtype or t.shape != fresh[name].shape:
+                    raise ValueError(f"optimizer state {name!r} of {key!r} has the wrong dtype or shape")
+        workers = {}
+        for w in metadata["workers"]:
+            worker = _Worker(int(w["id"]), str(w["name"]), int(w["generation"]), clock=int(w["clock"]),
+                             live=False, evicted=False, pushes=int(w["pushes"]), heard_at=self._now(),
+                             fenced=f"the shard was restored from {source}", data=dict(w.get("data") or {}))
+            worker.max_sequence = int(w["max_sequence"])
+            worker.applied = {int(q): PushResult(int(v), int(st), PushAction(a)) for q, v, st, a in w["applied"]}
+            workers[worker.name] = worker
+        counters = metadata.get("counters", {})
+        with self._lock:
+            if self._job is not None:
+                raise PreconditionError("this shard already serves a job; restore only into a fresh shard")
+            self._job, self._rule = decoded.job, rule
+            self._slots = {
+                p.key: _Slot(p, decoded.values[p.key].clone(), {n: t.clone() for n, t in decoded.states[p.key].items()},
+                             int(metadata["slot_versions"][p.key]))
+                for p in decoded.job.parts
+            }
+            self._sums = {k: t.clone() for k, t in decoded.sums.items()}
+            self._counts = {k: int(v) for k, v in metadata.get("counts", {}).items()}
+            self._received = int(metadata["received"])
+            self._contributors = {str(n) for n in metadata.get("contributors", [])} & set(workers)
+            self._version = int(metadata["version"])
+            self._clock_floor = int(metadata.get("clock", metadata["clock_floor"]))
+            self._open_clock = int(metadata["open_clock"])
+            self._workers = workers
+            self._next_worker_id = int(metadata["next_worker_id"])
+            self._pushes_applied = int(counters.get("pushes_applied", 0))
+            self._pushes_dropped = int(counters.get("pushes_dropped", 0))
+            self._pushes_scaled = int(counters.get("pushes_scaled", 0))
+            self._max_staleness = int(counters.get("max_staleness", 0))
+            self._staleness_counts = list(counters.get("staleness_histogram", self._staleness_counts))
+            self._state = ShardState.READY
+            self._changed.notify_all()
+        log.info("restored from %s: version %d, clock %d, %d workers fenced until they re-register",
+                 source, self._version, self._clock_floor, len(workers))
 
     def tensor(self, key: str) -> torch.Tensor:
         """A copy of one part's current value (for tests and tools)."""

@@ -12,6 +12,7 @@ model or settings disagree with the job, ``InvalidArgumentError`` for bad input,
 
 from pswire.errors import (
     DeadlineError,
+    FencedError,
     InvalidArgumentError,
     NotReadyError,
     PreconditionError,
@@ -30,6 +31,7 @@ __all__ = [
     "Consistency",
     "DeadlineError",
     "DistributedOptimizer",
+    "FencedError",
     "InvalidArgumentError",
     "NotReadyError",
     "OptimizerConfig",

@@ -69,6 +69,9 @@ class Session:
         self._grads: dict[str, torch.Tensor] = {}
         self.rejoins = 0
         """How many times this worker re-registered after being fenced off."""
+        self.progress: dict[str, int] | None = None
+        """Set by a training loop before ``step()``: its data position, kept by the shards (and
+        in checkpoints) so that a restarted worker resumes where it was."""
 
     def prepare(
         self,
@@ -156,7 +159,7 @@ class Session:
                 grads[name] = grad
         if not grads:
             raise errors.InvalidArgumentError("no parameter has a gradient: call backward() before step()")
-        self.client.push(grads)
+        self.client.push(grads, data=self.progress)
 
     def status(self):
         return self.client.status()

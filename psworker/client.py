@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class ClientOptions:
     """Size of the chunks a push or initialisation is cut into."""
     wait_timeout: float = 600.0
     """Seconds a pull may wait on the staleness bound (ssp/sync) before failing."""
+    retry_timeout: float = 120.0
+    """Seconds a push or pull keeps retrying an unreachable shard (e.g. one being restarted)."""
 
     def __post_init__(self) -> None:
         if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout) <= 0:
@@ -90,6 +93,23 @@ class ClientOptions:
 
     def deadline(self, nbytes: int) -> float:
         return self.timeout + nbytes / self.min_bandwidth
+
+
+def _retrying(call, options: ClientOptions, address: str, what: str):
+    """Run ``call`` until it succeeds, retrying with backoff while the shard is unreachable, up
+    to ``options.retry_timeout``. A retried push carries the same sequence number, so a shard
+    that did apply it acknowledges it again instead of applying it twice."""
+    deadline = time.monotonic() + options.retry_timeout
+    backoff = 0.1
+    while True:
+        try:
+            return call()
+        except errors.UnavailableError as exc:
+            if time.monotonic() + backoff > deadline:
+                raise errors.UnavailableError(f"{exc} (gave up after {options.retry_timeout:.0f}s)") from exc
+            log.warning("%s to %s failed (%s); retrying in %.1fs", what, address, exc, backoff)
+            threading.Event().wait(backoff)  # a plain timed wait; nothing can end it early
+            backoff = min(backoff * 2, 5.0)
 
 
 def _translate(exc: grpc.RpcError, address: str) -> errors.PSError:
@@ -112,6 +132,9 @@ class ShardClient:
                 ("grpc.max_send_message_length", _MESSAGE_LIMIT),
                 ("grpc.enable_retries", 1),
                 ("grpc.service_config", _SERVICE_CONFIG),
+                # Reconnect quickly to a shard that restarts (the default backoff grows to 2 min).
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
             ],
         )
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
@@ -241,6 +264,8 @@ class PSClient:
         self._sessions: list[_ShardSession] = []
         self.lease_seconds = 0.0
         """The shortest lease the shards granted at registration (0: no leases)."""
+        self.resume_data: dict[str, int] = {}
+        """This worker's progress as the shards last recorded it (empty for a new worker)."""
         self.fenced = threading.Event()
         """Set when a shard says this worker's registration is void (evicted): re-register."""
         self._heartbeat_stop = threading.Event()
@@ -284,6 +309,7 @@ class PSClient:
         placement = self.set_placement(spec)
         wanted = consistency or Consistency()
         leases: list[float] = []
+        positions: list[dict[str, int]] = []
 
         def one(index: int) -> bool:
             session = self._sessions[index]
@@ -298,6 +324,8 @@ class PSClient:
             session.clock = session.base_clock = reply.clock
             self.consistency = consistency_from_proto(reply.consistency)
             leases.append(reply.lease_seconds)
+            if reply.HasField("data"):
+                positions.append({"step": reply.data.step, "epoch": reply.data.epoch, "position": reply.data.position})
             session.known.clear()
             if not reply.must_initialize:
                 return False
@@ -312,6 +340,7 @@ class PSClient:
 
         initialised = any(self._fan_out(one, range(self.num_shards)))
         self.fenced.clear()
+        self.resume_data = max(positions, key=lambda d: d["step"], default={})
         self.lease_seconds = min((lease for lease in leases if lease > 0), default=0.0)
         if self.lease_seconds and self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._heartbeats, name="psclient-heartbeat", daemon=True)
@@ -361,10 +390,11 @@ class PSClient:
                     if dest[key].data_ptr() == ptr:
                         known[key] = version
             nbytes = sum(p.nbytes for p in session.parts)
-            header, written = session.client.pull(
-                ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
-                                   known_versions=known, clock=session.clock if may_wait else -1),
-                dest, nbytes, may_wait=may_wait,
+            request = ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
+                                         known_versions=known, clock=session.clock if may_wait else -1)
+            header, written = _retrying(
+                lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait),
+                self.options, session.client.address, "pull",
             )
             for key, part_version in written.items():
                 session.known[key] = (part_version, dest[key].data_ptr())
@@ -396,7 +426,9 @@ class PSClient:
                 slowest.worker_name, slowest.clock,
             )
 
-    def push(self, grads: Mapping[str, torch.Tensor]) -> list[ps_pb2.PushResponse | None]:
+    def push(
+        self, grads: Mapping[str, torch.Tensor], *, data: Mapping[str, int] | None = None
+    ) -> list[ps_pb2.PushResponse | None]:
         """Push gradients (variable name -> contiguous CPU tensor) to the shards holding them,
         computed from the versions of the last pull. In async, shards with none of the variables
         are skipped (``None`` in the result); in ssp/sync they get an empty push, which advances
@@ -410,7 +442,11 @@ class PSClient:
                 return None
             session.sequence += 1
             header = self._header(session, session.version, parts)
-            reply = session.client.push(header, [tensor_bytes(_rows(grads[p.name], p)) for p in parts])
+            if data:
+                header.data.CopyFrom(ps_pb2.DataPosition(**data))
+            buffers = [tensor_bytes(_rows(grads[p.name], p)) for p in parts]
+            reply = _retrying(lambda: session.client.push(header, buffers), self.options,
+                              session.client.address, "push")
             session.clock += 1
             return reply
 
@@ -431,6 +467,13 @@ class PSClient:
 
     def status(self) -> list[ps_pb2.StatusResponse]:
         return self._fan_out(lambda c: c.status(), self._clients)
+
+    def checkpoint(self, checkpoint_id: int) -> list[ps_pb2.CheckpointResponse]:
+        """Ask every shard to write its part of checkpoint ``checkpoint_id`` (admin)."""
+        return self._fan_out(
+            lambda c: c._call(c._stub.Checkpoint, ps_pb2.CheckpointRequest(checkpoint_id=checkpoint_id)),
+            self._clients,
+        )
 
     def _require_sessions(self) -> list[_ShardSession]:
         with self._lock:

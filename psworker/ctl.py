@@ -1,6 +1,7 @@
 """``psctl``: operator view of a job's shards.
 
     psctl status --ps HOST:PORT[,HOST:PORT...] [--json]
+    psctl checkpoint --ps HOST:PORT[,HOST:PORT...] [--id N]
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 
 from pswire.errors import PSError
@@ -75,6 +77,7 @@ def _table(shards: list[dict]) -> str:
             f"{s['address']}: mode {mode}; optimizer {opt.get('name', '-')} lr {opt.get('lr', '-')}; "
             f"staleness histogram {hist or '-'}; pulls waited {s['pull_wait_seconds']:.1f}s; "
             f"lease {s['lease_seconds']:g}s, {s['workers_evicted']} evicted; "
+            f"last checkpoint {s['last_checkpoint_id'] or 'none'}; "
             f"workers: {names or 'none'}"
         )
     return "\n".join(lines)
@@ -87,7 +90,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     status.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...]")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default: 10)")
+    ckpt = sub.add_parser("checkpoint", help="write a checkpoint on every shard now")
+    ckpt.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...]")
+    ckpt.add_argument("--id", type=int, default=None, help="checkpoint id (default: milliseconds since the epoch)")
+    ckpt.add_argument("--timeout", type=float, default=300.0, help="seconds per call (default: 300)")
     args = parser.parse_args(argv)
+    if args.command == "checkpoint":
+        checkpoint_id = args.id or int(time.time() * 1000)
+        try:
+            with PSClient(args.ps, ClientOptions(timeout=args.timeout, connect_timeout=10)) as client:
+                client.wait_connected()
+                replies = client.checkpoint(checkpoint_id)
+        except (PSError, ValueError) as exc:
+            print(f"psctl: {exc}", file=sys.stderr)
+            return 1
+        for r in replies:
+            print(f"checkpoint {r.checkpoint_id}: {r.path} (version {r.version})")
+        complete = any(r.complete for r in replies)
+        print(f"checkpoint {checkpoint_id} {'complete' if complete else 'INCOMPLETE'} on {len(replies)} shard(s)")
+        return 0 if complete else 1
     try:
         shards = _status(args.ps, args.timeout)
     except (PSError, ValueError) as exc:

@@ -58,6 +58,11 @@ class DataSlice:
     def __len__(self) -> int:
         return len(self._order)
 
+    def seek(self, epoch: int, position: int) -> None:
+        """Continue from a saved cursor."""
+        self.epoch, self.position = epoch, position
+        self._order = self._permutation()
+
     def next_batch(self, batch_size: int) -> torch.Tensor:
         """Indices of the next batch; wraps into the next epoch when the slice runs out."""
         if self.position >= len(self._order):
@@ -142,6 +147,13 @@ def train(config: WorkerConfig) -> dict:
         "local" if config.local else f"{len(session.client.addresses)} shard(s), {session.client.consistency.describe()}",
     )
 
+    first_step = 1
+    if session is not None and session.client.resume_data.get("step", 0) > 0:
+        # A restarted worker: carry on from the progress the shards recorded for it.
+        resume = session.client.resume_data
+        first_step = min(total, resume["step"]) + 1
+        data.seek(resume["epoch"], resume["position"])
+        log.info("%s resumes at step %d (epoch %d, position %d)", config.name, first_step, resume["epoch"], resume["position"])
     progress = _Progress(config.progress, total, config.log_every, config.name)
     recent: list[float] = []
     losses: list[float] = []
@@ -150,9 +162,11 @@ def train(config: WorkerConfig) -> dict:
     started = time.monotonic()
     try:
         model.train()
-        for step in range(1, total + 1):
+        for step in range(first_step, total + 1):
             step_started = time.monotonic()
             idx = data.next_batch(batch_size)
+            if session is not None:
+                session.progress = {"step": step, "epoch": data.epoch, "position": data.position}
             x, y = x_train[idx].to(device, non_blocking=True), y_train[idx].to(device, non_blocking=True)
             loss = task.loss_fn(model(x), y)
             optimizer.zero_grad()
@@ -187,6 +201,7 @@ def train(config: WorkerConfig) -> dict:
         "num_workers": config.num_workers,
         "device": str(device),
         "steps": total,
+        "first_step": first_step,
         "samples": samples,
         "seconds": round(seconds, 3),
         "samples_per_second": round(samples / max(seconds, 1e-9), 1),

@@ -103,7 +103,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds")
+    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds", "data")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MUST_INITIALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class RegisterResponse(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     must_initialize: bool
@@ -118,10 +119,21 @@ class RegisterResponse(_message.Message):
     clock: int
     consistency: ConsistencySettings
     lease_seconds: float
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    data: DataPosition
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ...) -> None: ...
+
+class DataPosition(_message.Message):
+    __slots__ = ("step", "epoch", "position")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    epoch: int
+    position: int
+    def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock")
+    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock", "data")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +141,7 @@ class TensorHeader(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     sequence: int
@@ -136,7 +149,8 @@ class TensorHeader(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[PartSpec]
     clock: int
     base_clock: int
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ...) -> None: ...
+    data: DataPosition
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("part_index", "offset", "data")
@@ -185,6 +199,24 @@ class LeaveRequest(_message.Message):
 class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("checkpoint_id",)
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: int
+    def __init__(self, checkpoint_id: _Optional[int] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "path", "version", "complete")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: int
+    path: str
+    version: int
+    complete: bool
+    def __init__(self, checkpoint_id: _Optional[int] = ..., path: _Optional[str] = ..., version: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "generation")
@@ -280,7 +312,7 @@ class StalenessBucket(_message.Message):
     def __init__(self, staleness: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds")
+    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds", "last_checkpoint_id", "last_checkpoint_path", "checkpoint_dir")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +341,9 @@ class StatusResponse(_message.Message):
     PULL_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     address: str
     shard_index: int
     num_shards: int
@@ -337,4 +372,7 @@ class StatusResponse(_message.Message):
     pull_wait_seconds: float
     workers_evicted: int
     lease_seconds: float
-    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    last_checkpoint_id: int
+    last_checkpoint_path: str
+    checkpoint_dir: str
+    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...

@@ -69,6 +69,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
                 response_deserializer=pswire_dot_v1_dot_ps__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/pswire.v1.ParameterServer/Checkpoint',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -122,6 +127,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Write this shard's part of checkpoint `checkpoint_id` now (admin).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +171,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=pswire_dot_v1_dot_ps__pb2.StatusRequest.FromString,
                     response_serializer=pswire_dot_v1_dot_ps__pb2.StatusResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +367,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Status',
             pswire_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
             pswire_dot_v1_dot_ps__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/Checkpoint',
+            pswire_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

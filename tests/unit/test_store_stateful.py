@@ -37,6 +37,11 @@ SGD = OptimizerConfig(name="sgd", lr=1.0)
 F64 = torch.float64
 NAMES = ("w0", "w1", "w2", "w3")
 CHUNK_BYTES = 7  # not a multiple of 8: float64 elements straddle chunks
+WORKER_FIELDS = ("worker_id", "worker_name", "generation", "pushes", "clock", "live")
+COUNTERS = (
+    "state", "version", "clock", "pushes_applied", "pushes_rejected", "pushes_dropped", "pushes_scaled",
+    "pulls_served", "pulls_waiting", "max_staleness", "staleness_histogram",
+)
 
 
 # -- strategies -------------------------------------------------------------------------------
@@ -138,6 +143,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
         self.received = 0
+        self.contributors: set[str] = set()
         self.aggregates = 0
         # Counters, by outcome.
         self.pushes_received = 0
@@ -180,11 +186,17 @@ class StoreMachine(RuleBasedStateMachine):
         members = self.member_clocks()
         return max(self.floor, min(members.values())) if members else self.floor
 
+    def quorum(self) -> int:
+        return sync_quorum(self.cons, len(self.live()))
+
+    def live_contributors(self) -> int:
+        # Gradients of workers that left still join the mean; only live senders fill a quorum.
+        return sum(self.workers[name].live for name in self.contributors)
+
     def membership_changed(self) -> None:
         self.floor = self.current_clock()
-        if self.mode is Mode.SYNC and self.received:
-            if self.received >= sync_quorum(self.cons, len(self.live())):
-                self.apply_aggregate()
+        if self.mode is Mode.SYNC and self.received and self.live_contributors() >= self.quorum():
+            self.apply_aggregate()
 
     def apply_aggregate(self) -> None:
         self.version += 1
@@ -196,6 +208,7 @@ class StoreMachine(RuleBasedStateMachine):
         event(f"aggregate of {self.received}")
         self.record_staleness(0)
         self.sums, self.counts, self.received = {}, {}, 0
+        self.contributors = set()
         self.open_clock += 1
 
     def record_staleness(self, staleness: int) -> None:
@@ -215,9 +228,9 @@ class StoreMachine(RuleBasedStateMachine):
             worker.clock, worker.live = start, True
             worker.sequence = 0
             worker.history.clear()
-        assert result == RegisterResult(
-            worker.worker_id, worker.generation, must_initialize, self.version, start, self.cons
-        )
+        got = (result.worker_id, result.generation, result.must_initialize, result.version, result.clock)
+        assert got == (worker.worker_id, worker.generation, must_initialize, self.version, start)
+        assert result.consistency == self.cons
 
     def pick(self, data, workers: list[WorkerModel]) -> WorkerModel:
         return data.draw(st.sampled_from(sorted(workers, key=lambda w: w.name)), label="worker")
@@ -225,9 +238,8 @@ class StoreMachine(RuleBasedStateMachine):
     def observable(self) -> tuple:
         """What a push that changes nothing must leave as it was (besides pushes_received)."""
         status = self.store.status()
-        workers = [{k: v for k, v in w.items() if k != "last_seen_unix"} for w in status["workers"]]
-        counters = {k: v for k, v in status.items() if k not in ("uptime_seconds", "pull_wait_seconds", "workers")}
-        counters.pop("pushes_received")
+        workers = [{k: w[k] for k in WORKER_FIELDS} for w in status["workers"]]
+        counters = {k: status[k] for k in COUNTERS}
         tensors = {key: self.store.tensor(key) for key in self.keys}
         return counters, workers, tensors
 
@@ -373,8 +385,7 @@ class StoreMachine(RuleBasedStateMachine):
             staleness = self.version - pulled.version
         else:
             staleness = shard_clock - pulled.clock
-        live = len(self.live())
-        quorum = sync_quorum(self.cons, live)
+        quorum, contributed = self.quorum(), self.live_contributors()
         if self.mode is Mode.ASYNC:
             action, scale = PushAction.APPLY, 1.0
         elif self.mode is Mode.SSP:
@@ -389,18 +400,21 @@ class StoreMachine(RuleBasedStateMachine):
                 # never staler than S, whatever the others did meanwhile (they may have left).
                 assert staleness <= self.cons.staleness
         else:
-            accumulate = clock == self.open_clock and self.received < quorum
+            accumulate = clock == self.open_clock and contributed < quorum
             action, scale = (PushAction.ACCUMULATE if accumulate else PushAction.DROP), 1.0
         decision = decide_push(
-            self.cons, staleness, push_clock=clock, open_clock=self.open_clock, received=self.received, quorum=quorum
+            self.cons, staleness, push_clock=clock, open_clock=self.open_clock, received=contributed, quorum=quorum
         )
         assert (decision.action, decision.lr_scale) == (action, scale)
+        if action is PushAction.ACCUMULATE and worker.name in self.contributors:
+            action = PushAction.DROP  # one gradient per worker and clock, even across generations
 
         if action is PushAction.ACCUMULATE:
             for key, grad in zip(keys, grads):
                 self.sums[key] = self.sums[key] + grad if key in self.sums else grad.clone()
                 self.counts[key] = self.counts.get(key, 0) + 1
             self.received += 1
+            self.contributors.add(worker.name)
             self.accumulated += 1
         elif action is PushAction.DROP:
             self.dropped += 1
@@ -417,8 +431,7 @@ class StoreMachine(RuleBasedStateMachine):
         worker.pushes += 1
         worker.clock = max(worker.clock, clock + 1)
         result = PushResult(self.version, staleness, action)
-        if self.mode is not Mode.ASYNC:
-            self.membership_changed()
+        self.membership_changed()
         return result
 
     @precondition(lambda self: any(w.live and w.history for w in self.workers.values()))
@@ -534,8 +547,7 @@ class StoreMachine(RuleBasedStateMachine):
         status = self.store.status()
         assert status["version"] >= self.last_version
         self.last_version = status["version"]
-        if self.mode is not Mode.ASYNC:  # see test_async_shard_clock_goes_back_when_the_last_worker_leaves
-            assert status["clock"] >= self.last_clock
+        assert status["clock"] >= self.last_clock
         self.last_clock = status["clock"]
 
     @invariant()
@@ -548,7 +560,9 @@ class StoreMachine(RuleBasedStateMachine):
             # One aggregate per clock, nothing else changes the variables.
             assert status["version"] == self.open_clock == self.aggregates == status["clock"]
             assert status["max_staleness"] == 0
-            assert self.received < sync_quorum(self.cons, len(self.live())) or self.received == 0
+            # A reached quorum is applied at once, by the push or the departure that reached it.
+            assert self.live_contributors() < self.quorum()
+            assert self.received == len(self.contributors)
 
 
 class AsyncMachine(StoreMachine):
@@ -575,3 +589,62 @@ def test_ssp_store_agrees_with_the_model():
 
 def test_sync_store_agrees_with_the_model():
     run_state_machine_as_test(SyncMachine, settings=MACHINE)
+
+
+# -- membership edge cases, one scenario each ----------------------------------------------
+
+ONE = [Part("v", (2,), F64, 0, 2)]
+
+
+def _job(consistency: Consistency, *names: str) -> tuple[ShardStore, dict[str, RegisterResult]]:
+    store = ShardStore()
+    workers = {name: store.register(registration(name, ONE, consistency)) for name in names}
+    first = workers[names[0]]
+    assert store.initialize(first.worker_id, first.generation, [torch.zeros(2, dtype=F64)]) == (True, 0)
+    return store, workers
+
+
+def _step(store: ShardStore, worker: RegisterResult, clock: int, sequence: int, grad: float) -> PushResult:
+    snapshot = store.pull({}, chunk_bytes=64, timeout=0.0, worker_id=worker.worker_id, clock=clock)
+    return store.apply_push(
+        worker.worker_id, worker.generation, sequence, snapshot.version, ONE, [torch.full((2,), grad, dtype=F64)],
+        clock=clock, base_clock=snapshot.clock,
+    )
+
+
+def test_async_shard_clock_holds_when_the_last_worker_leaves():
+    """shard_clock's floor keeps the clock from going back when the membership empties."""
+    store, workers = _job(Consistency(mode=Mode.ASYNC), "a")
+    a = workers["a"]
+    for clock in range(3):
+        _step(store, a, clock, clock + 1, 1.0)
+    assert store.status()["clock"] == 3
+    store.leave(a.worker_id, a.generation)
+    assert store.status()["clock"] == 3
+    assert store.register(registration("a", ONE, Consistency(mode=Mode.ASYNC))).clock == 3
+
+
+def test_sync_clock_takes_one_gradient_per_worker_across_re_registration():
+    """A worker that re-registers after pushing for the open clock cannot fill the quorum twice."""
+    consistency = Consistency(mode=Mode.SYNC)
+    store, workers = _job(consistency, "a", "b")
+    assert _step(store, workers["a"], 0, 1, 1.0).action is PushAction.ACCUMULATE
+    again = store.register(registration("a", ONE, consistency))
+    assert again.clock == 0
+    assert _step(store, again, again.clock, 1, 3.0).action is PushAction.DROP
+    assert store.status()["version"] == 0  # clock 0 still waits for b
+    assert _step(store, workers["b"], 0, 1, 5.0).action is PushAction.ACCUMULATE
+    assert store.status()["version"] == 1
+    torch.testing.assert_close(store.tensor("v"), torch.full((2,), -3.0, dtype=F64))  # mean of 1 and 5
+
+
+def test_sync_clock_waits_for_live_workers_after_a_contributor_leaves():
+    """A departed worker's gradient joins the mean but does not stand in for a live worker's."""
+    store, workers = _job(Consistency(mode=Mode.SYNC), "a", "b")
+    a, b = workers["a"], workers["b"]
+    assert _step(store, a, 0, 1, 1.0).action is PushAction.ACCUMULATE
+    store.leave(a.worker_id, a.generation)
+    assert store.status()["version"] == 0
+    assert _step(store, b, 0, 1, 5.0).action is PushAction.ACCUMULATE
+    assert store.status()["version"] == 1
+    torch.testing.assert_close(store.tensor("v"), torch.full((2,), -3.0, dtype=F64))

@@ -1,0 +1,368 @@
+"""The on-disk format of shard checkpoints (DESIGN §5), in a directory that may be shared storage.
+
+    root/LATEST                             {"id": ..., "num_shards": ...}: newest committed checkpoint
+    root/.lock                              flock'd around moving LATEST and pruning
+    root/ckpt-{id:012d}/shard-{i}-of-{n}/   tensors.safetensors, metadata.json, MANIFEST.json
+
+Every file is written to a temp name, fsynced, renamed, and its directory fsynced. MANIFEST (sizes
+and sha256 of the other two files) is written last, so a part without a valid one is incomplete.
+A checkpoint counts only when all n parts verify; LATEST is the commit point and never moves back.
+Tensors are safetensors and metadata JSON: nothing is ever unpickled. No gRPC, no store: plain values.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from pswire.errors import PSError
+
+__all__ = ["CheckpointError", "CheckpointStore", "ShardPart"]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+TENSORS, METADATA, MANIFEST, LATEST = "tensors.safetensors", "metadata.json", "MANIFEST.json", "LATEST"
+_CKPT_RE = re.compile(r"ckpt-(\d{12})")
+_PART_RE = re.compile(r"shard-(\d+)-of-(\d+)")
+
+
+class CheckpointError(PSError):
+    """A checkpoint cannot be written or restored as asked; the message names it and the problem."""
+
+
+class _Unfinished(CheckpointError):
+    """A part has no MANIFEST: its writer has not finished (or crashed), or the manifest was lost."""
+
+
+@dataclass(frozen=True)
+class ShardPart:
+    tensors: dict[str, torch.Tensor]
+    """Contiguous CPU tensors by name, e.g. ``var/fc.weight``, ``opt/fc.weight/exp_avg``."""
+    metadata: dict[str, Any]
+    """JSON-serialisable; comes back as JSON gives it (tuples as lists, keys as strings)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some network/FUSE filesystems cannot fsync a directory at all
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    # A unique temp name: another process may be writing the same file in the same directory.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _encode(part: ShardPart) -> tuple[bytes, bytes]:
+    tensors, storages = {}, set()
+    for name, t in part.tensors.items():
+        if not isinstance(name, str) or name == "__metadata__" or not isinstance(t, torch.Tensor):
+            raise ValueError(f"tensor names must be strings (not __metadata__) and values tensors: {name!r}")
+        t = t.detach().to("cpu").contiguous()
+        # safetensors refuses tensors that share storage (views, tied weights): copy all but the first.
+        if t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    try:
+        meta = json.dumps(part.metadata, sort_keys=True, allow_nan=False).encode()
+        return st_save(tensors), meta
+    except (TypeError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise ValueError(f"cannot encode checkpoint part: {exc}") from exc
+
+
+def _manifest(cid: int, index: int, n: int, files: dict[str, bytes]) -> dict[str, Any]:
+    return {"format": FORMAT_VERSION, "checkpoint_id": cid, "shard_index": index, "num_shards": n,
+            "files": {k: {"sha256": hashlib.sha256(v).hexdigest(), "size": len(v)} for k, v in files.items()}}
+
+
+class CheckpointStore:
+    """Shard checkpoints under ``root``. Holds no open files; several processes may share ``root``."""
+
+    def __init__(self, root: str | Path, *, keep: int = 3, failpoint: Callable[[str], None] | None = None) -> None:
+        """Raises ValueError if ``keep < 1``. ``failpoint(phase)`` is called at each write phase
+        (tests raise from it to simulate a crash)."""
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root, self.keep = Path(root), keep
+        self._failpoint = failpoint or (lambda phase: None)
+
+    def write(self, checkpoint_id: int, shard_index: int, num_shards: int, part: ShardPart) -> Path:
+        """Write this shard's part; commit (move LATEST) if all parts are now complete; prune.
+
+        Returns the part's directory. Raises ValueError on bad arguments or a part that cannot be
+        encoded; CheckpointError if a complete, verified part with different content exists, or if
+        another writer pruned this checkpoint meanwhile (only possible once a newer one is complete);
+        OSError if the storage fails. Re-writing identical content is a no-op apart from the commit.
+        """
+        _check_args(shard_index, num_shards)
+        if not 0 <= checkpoint_id < 10**12:
+            raise ValueError(f"checkpoint_id must be in [0, 1e12), got {checkpoint_id}")
+        tensors, meta = _encode(part)
+        manifest = _manifest(checkpoint_id, shard_index, num_shards, {TENSORS: tensors, METADATA: meta})
+        ckpt = self._ckpt_dir(checkpoint_id)
+        pdir = ckpt / f"shard-{shard_index}-of-{num_shards}"
+        try:
+            existing = self._verify_part(checkpoint_id, shard_index, num_shards, deep=True)[0]
+        except CheckpointError:
+            existing = None  # absent, unfinished or damaged: (re)write it
+        if existing is not None and existing != manifest:
+            raise CheckpointError(f"checkpoint {checkpoint_id} shard {shard_index}/{num_shards} in {self.root} "
+                                  "already exists with different content")
+        if existing is None:
+            for d in (self.root, ckpt, pdir):  # fsync each parent so the new entries survive a crash
+                if not d.is_dir():
+                    d.mkdir(parents=True, exist_ok=True)
+                    _fsync_dir(d.parent)
+            # A stale MANIFEST from a damaged earlier attempt must not outlive the files it described.
+            if (pdir / MANIFEST).exists():
+                (pdir / MANIFEST).unlink()
+                _fsync_dir(pdir)
+            try:
+                for phase, name, data in (("tensors", TENSORS, tensors), ("metadata", METADATA, meta),
+                                          ("manifest", MANIFEST, json.dumps(manifest, sort_keys=True).encode())):
+                    self._failpoint(f"before_{phase}")
+                    _write_atomic(pdir / name, data)
+                    self._failpoint(f"{phase}_written")
+            except FileNotFoundError as exc:
+                if pdir.is_dir():
+                    raise
+                # Another writer pruned it: a newer checkpoint is complete, so this one is obsolete.
+                raise CheckpointError(f"checkpoint {checkpoint_id} in {self.root} was pruned while being "
+                                      "written (a newer checkpoint is complete)") from exc
+        self._commit_and_prune(checkpoint_id, num_shards)
+        return pdir
+
+    def load(self, shard_index: int, num_shards: int) -> tuple[int, ShardPart] | None:
+        """Return ``(id, part)`` from the newest checkpoint whose every part verifies: LATEST's first,
+        then the others newest first, each skipped one logged as a warning with its problem. (A
+        complete checkpoint newer than LATEST, whose writer crashed before committing, is used only
+        if LATEST's checkpoint is unusable.)
+
+        Returns None when nothing was ever committed (no LATEST, and every checkpoint for this shard
+        count is unfinished). Raises CheckpointError naming the problems when checkpoints exist but
+        none is usable, including ones made for a different shard count; ValueError on bad arguments.
+        """
+        _check_args(shard_index, num_shards)
+        problems: list[str] = []
+        pointer = self._read_pointer(problems)
+        scan = self._scan()
+        order = [pointer[0]] if pointer and pointer[1] == num_shards else []
+        order += sorted((c for c, ns in scan.items() if num_shards in ns and c not in order), reverse=True)
+        only_unfinished = True
+        for cid in order:
+            try:
+                return cid, self._verify_checkpoint(cid, num_shards, want=shard_index)
+            except CheckpointError as exc:
+                only_unfinished &= isinstance(exc, _Unfinished)
+                log.warning("checkpoint %d in %s is not usable, skipping it: %s", cid, self.root, exc)
+                problems.append(str(exc))
+        foreign = {c: n for c, ns in scan.items() for n in ns if n != num_shards}
+        if pointer and pointer[1] != num_shards:
+            foreign[pointer[0]] = pointer[1]
+        for cid in sorted(foreign, reverse=True)[:1]:
+            problems.append(f"checkpoint {cid} in {self.root} was made for {foreign[cid]} shards, "
+                            f"this job has {num_shards}")
+        if not foreign and only_unfinished and not (self.root / LATEST).exists():
+            return None  # a crash during the very first checkpoint: there is nothing to restore
+        raise CheckpointError(f"no usable checkpoint for shard {shard_index} of {num_shards} in {self.root}: "
+                              + "; ".join(problems))
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _ckpt_dir(self, cid: int) -> Path:
+        return self.root / f"ckpt-{cid:012d}"
+
+    def _scan(self) -> dict[int, dict[int, set[int]]]:
+        """{checkpoint id: {num_shards: {shard indices with a directory}}}."""
+        out: dict[int, dict[int, set[int]]] = {}
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return out
+        for e in entries:
+            m = _CKPT_RE.fullmatch(e.name)
+            if not m or not e.is_dir():
+                continue
+            parts = out.setdefault(int(m[1]), {})
+            try:
+                for p in os.scandir(e.path):
+                    if (pm := _PART_RE.fullmatch(p.name)) and p.is_dir():
+                        parts.setdefault(int(pm[2]), set()).add(int(pm[1]))
+            except FileNotFoundError:  # pruned by another process since the listing
+                del out[int(m[1])]
+        return out
+
+    def _read_pointer(self, problems: list[str] | None = None) -> tuple[int, int] | None:
+        try:
+            raw = json.loads((self.root / LATEST).read_bytes())
+            cid, n = raw["id"], raw["num_shards"]
+            if type(cid) is not int or type(n) is not int or cid < 0 or n < 1:
+                raise ValueError(f"bad values {raw!r}")
+            return cid, n
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            msg = f"pointer {self.root / LATEST} is damaged ({exc}); scanning checkpoints instead"
+            log.warning("%s", msg)
+            if problems is not None:
+                problems.append(msg)
+            return None
+
+    def _verify_part(self, cid: int, i: int, n: int, *, deep: bool) -> tuple[dict, ShardPart | None]:
+        """Check one part against its MANIFEST: sizes only, or (``deep``) also sha256 and parsing,
+        returning the part. Raises _Unfinished without a MANIFEST, CheckpointError for other damage."""
+        pdir, where = self._ckpt_dir(cid) / f"shard-{i}-of-{n}", f"checkpoint {cid} part {i}/{n}"
+        try:
+            manifest = json.loads((pdir / MANIFEST).read_bytes())
+            files = manifest["files"]
+            ok = (manifest["format"] == FORMAT_VERSION and set(files) == {TENSORS, METADATA}
+                  and (manifest["checkpoint_id"], manifest["shard_index"], manifest["num_shards"]) == (cid, i, n))
+            sizes = {name: (pdir / name).stat().st_size for name in files}
+        except FileNotFoundError as exc:
+            cls = _Unfinished if exc.filename == str(pdir / MANIFEST) else CheckpointError
+            raise cls(f"{where}: {Path(exc.filename).name} is missing") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{where}: {MANIFEST} is damaged or unreadable: {exc!r}") from exc
+        if not ok:
+            raise CheckpointError(f"{where}: {MANIFEST} does not describe this part")
+        for name, size in sizes.items():  # stat first: catches truncation without reading anything
+            if size != files[name]["size"]:
+                raise CheckpointError(f"{where}: {name} has {size} bytes, {MANIFEST} says {files[name]['size']}")
+        if not deep:
+            return manifest, None
+        try:
+            data = {name: (pdir / name).read_bytes() for name in files}
+        except OSError as exc:
+            raise CheckpointError(f"{where}: cannot read {exc.filename}: {exc}") from exc
+        for name, blob in data.items():
+            if hashlib.sha256(blob).hexdigest() != files[name]["sha256"]:
+                raise CheckpointError(f"{where}: {name} does not match its sha256")
+        try:
+            tensors, metadata = st_load(data[TENSORS]), json.loads(data[METADATA])
+        except (SafetensorError, ValueError) as exc:
+            raise CheckpointError(f"{where}: does not parse: {exc}") from exc
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{where}: {METADATA} is not a JSON object")
+        return manifest, ShardPart(tensors, metadata)
+
+    def _verify_checkpoint(self, cid: int, n: int, *, want: int | None = None, deep: bool = True) -> ShardPart | None:
+        """Verify every part 0..n-1 (all before returning anything); return part ``want``."""
+        for i in range(n):  # cheap pass first: an unfinished checkpoint fails before any hashing
+            self._verify_part(cid, i, n, deep=False)
+        result = None
+        for i in range(n if deep else 0):
+            part = self._verify_part(cid, i, n, deep=True)[1]  # other parts are parsed too, then dropped
+            result = part if i == want else result
+        return result
+
+    def _complete(self, cid: int, n: int) -> bool:
+        # Pruning checks sizes only (no hashing), so a write does not re-read the whole history.
+        try:
+            self._verify_checkpoint(cid, n, deep=False)
+            return True
+        except CheckpointError:
+            return False
+
+    def _commit_and_prune(self, cid: int, n: int) -> None:
+        pointer = self._read_pointer()
+        committed = False
+        if pointer is None or pointer[0] < cid:
+            try:
+                self._verify_checkpoint(cid, n)
+                committed = True
+            except CheckpointError:
+                pass  # other parts still missing (or damaged): a later writer commits
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # Other processes commit and prune too: re-read LATEST under the lock, so it never moves back.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            pointer = self._read_pointer()
+            # Re-check cheaply too: a concurrent prune may have removed it since it was verified.
+            if committed and (pointer is None or pointer[0] < cid) and self._complete(cid, n):
+                self._failpoint("before_pointer")
+                _write_atomic(self.root / LATEST, json.dumps({"id": cid, "num_shards": n}).encode())
+                self._failpoint("pointer_written")
+                pointer = (cid, n)
+            self._prune(n, just_written=cid, pinned=pointer[0] if pointer else None)
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _prune(self, n: int, *, just_written: int, pinned: int | None) -> None:
+        for stale in self.root.glob(".deleting-*"):  # left behind by a crash in the middle of a delete
+            shutil.rmtree(stale, ignore_errors=True)
+        # Only checkpoint directories made entirely for this shard count are ours to prune.
+        ours = sorted((c for c, ns in self._scan().items() if set(ns) == {n}), reverse=True)
+        complete = [c for c in ours if self._complete(c, n)]
+        doomed = complete[self.keep:]
+        if complete:  # the writer of just_written may still be adding its other parts
+            doomed += [c for c in ours if c < complete[0] and c not in complete and c != just_written]
+        for cid in doomed:
+            if cid == pinned:
+                continue
+            # Rename first (atomic) so a half-deleted checkpoint is never seen under its real name.
+            trash = self.root / f".deleting-{cid:012d}-{secrets.token_hex(4)}"
+            try:
+                os.replace(self._ckpt_dir(cid), trash)
+            except FileNotFoundError:
+                continue
+            log.info("pruned checkpoint %d in %s", cid, self.root)
+            shutil.rmtree(trash, ignore_errors=True)
+        _fsync_dir(self.root)
+
+    def list(self) -> list[dict]:
+        """For an operator tool: ``[{"id", "num_shards", "complete", "latest", "parts": [{"shard_index",
+        "problem"}]}]``, newest first, ``problem`` None for a verified part. Fully verifies every part
+        (reads everything). Raises OSError only if ``root`` cannot be listed."""
+        pointer, out = self._read_pointer(), []
+        for cid, ns in sorted(self._scan().items(), reverse=True):
+            for n in sorted(ns):
+                parts = [{"shard_index": i, "problem": self._problem(cid, i, n)} for i in range(n)]
+                out.append({"id": cid, "num_shards": n, "complete": all(p["problem"] is None for p in parts),
+                            "latest": pointer == (cid, n), "parts": parts})
+        return out
+
+    def _problem(self, cid: int, i: int, n: int) -> str | None:
+        try:
+            self._verify_part(cid, i, n, deep=True)
+            return None
+        except CheckpointError as exc:
+            return str(exc)
+
+
+def _check_args(shard_index: int, num_shards: int) -> None:
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise ValueError(f"need 0 <= shard_index < num_shards, got {shard_index} of {num_shards}")

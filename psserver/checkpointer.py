@@ -1,0 +1,133 @@
+"""When and how a shard writes and restores its part of a checkpoint.
+
+The format and the all-or-nothing rules live in ``psserver.checkpoint``; this module takes the
+store's consistent export, picks checkpoint ids that every shard agrees on without talking to
+the others, and runs the periodic schedule on its own thread.
+
+Ids: ``psctl checkpoint`` sends one id to every shard. The schedule ``--checkpoint-every 30s``
+uses the wall-clock second rounded down to a multiple of 30; ``--checkpoint-every 500`` uses the
+shard clock (steps every live worker completed; in sync the applied clock, an exact cut) rounded
+down to a multiple of 500. Shards of one job therefore write parts of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pswire.errors import NotReadyError, PreconditionError
+from psserver.checkpoint import CheckpointError, CheckpointStore, ShardPart
+from psserver.store import ShardStore
+
+__all__ = ["Checkpointer", "Schedule", "parse_schedule"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    every: int
+    unit: str  # "seconds" or "steps"
+
+    def due_id(self, now: float, clock: int) -> int:
+        value = int(now) if self.unit == "seconds" else clock
+        return value - value % self.every
+
+
+def parse_schedule(text: str) -> Schedule | None:
+    """``""`` -> None, ``"30s"`` -> every 30 seconds, ``"500"`` or ``"500steps"`` -> every 500
+    steps. Raises ``ValueError`` for anything else."""
+    text = text.strip().lower()
+    if not text:
+        return None
+    unit = "seconds" if text.endswith("s") and not text.endswith("steps") else "steps"
+    number = text.removesuffix("steps").removesuffix("s")
+    if not number.isdigit() or int(number) < 1:
+        raise ValueError(f"--checkpoint-every must look like 30s (seconds) or 500 (steps), got {text!r}")
+    return Schedule(int(number), unit)
+
+
+class Checkpointer:
+    """Writes this shard's checkpoint parts; restores the newest complete one at start-up.
+
+    ``_lock`` serialises writes (the periodic thread and on-demand requests).
+    """
+
+    def __init__(
+        self,
+        store: ShardStore,
+        directory: str,
+        *,
+        keep: int = 3,
+        schedule: Schedule | None = None,
+        now: Callable[[], float] = time.time,
+        failpoint: Callable[[str], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._files = CheckpointStore(directory, keep=keep, failpoint=failpoint)
+        self.directory = directory
+        self._schedule = schedule
+        self._now = now
+        self._lock = threading.Lock()
+        self.last_id = 0
+        self.last_path = ""
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def checkpoint(self, checkpoint_id: int) -> tuple[str, int, bool]:
+        """Write this shard's part of checkpoint ``checkpoint_id``; returns ``(path, version,
+        complete)``. Raises ``NotReadyError`` before initialisation and ``CheckpointError``."""
+        if checkpoint_id < 1:
+            raise PreconditionError(f"checkpoint id must be >= 1, got {checkpoint_id}")
+        with self._lock:
+            version, tensors, metadata = self._store.export()
+            job = metadata["job"]
+            started = time.monotonic()
+            path = self._files.write(
+                checkpoint_id, job["shard_index"], job["num_shards"], ShardPart(tensors, metadata)
+            )
+            self.last_id, self.last_path = checkpoint_id, str(path)
+            complete = any(c["id"] == checkpoint_id and c["complete"] for c in self._files.list())
+            log.info("checkpoint %d written to %s in %.2fs (version %d%s)", checkpoint_id, path,
+                     time.monotonic() - started, version, ", complete" if complete else "")
+            return str(path), version, complete
+
+    def restore(self, shard_index: int, num_shards: int) -> int:
+        """Load this shard's part of the newest complete checkpoint into the (fresh) store.
+        Returns its id; raises ``CheckpointError`` when there is none usable."""
+        found = self._files.load(shard_index, num_shards)
+        if found is None:
+            raise CheckpointError(f"no checkpoint to restore in {self.directory}")
+        checkpoint_id, part = found
+        try:
+            self._store.restore(part.tensors, part.metadata, source=f"checkpoint {checkpoint_id}")
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint_id} in {self.directory}: {exc}") from exc
+        self.last_id = checkpoint_id
+        return checkpoint_id
+
+    def start(self) -> None:
+        if self._schedule is None:
+            return
+        self._thread = threading.Thread(target=self._run, name="psserver-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self._schedule is not None
+        while not self._stopped.wait(timeout=0.5):
+            try:
+                due = self._schedule.due_id(self._now(), self._store.status()["clock"])
+                if due > self.last_id:
+                    self.checkpoint(due)
+            except NotReadyError:
+                continue
+            except Exception:  # keep checkpointing on later rounds; the error is logged
+                log.exception("periodic checkpoint failed")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
