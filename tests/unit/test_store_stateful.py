@@ -39,6 +39,7 @@ SGD = OptimizerConfig(name="sgd", lr=1.0)
 F64 = torch.float64
 NAMES = ("w0", "w1", "w2", "w3")
 CHUNK_BYTES = 7  # not a multiple of 8: float64 elements straddle chunks
+DEDUPE_WINDOW = 8  # small, so that retries of forgotten pushes happen too
 WORKER_FIELDS = ("worker_id", "worker_name", "generation", "pushes", "clock", "live")
 COUNTERS = (
     "state", "version", "clock", "pushes_applied", "pushes_rejected", "pushes_dropped", "pushes_scaled",
@@ -134,7 +135,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.parts = parts
         self.keys = [p.key for p in parts]
         self.part = {p.key: p for p in parts}
-        self.store = ShardStore()
+        self.store = ShardStore(dedupe_window=DEDUPE_WINDOW)
         self.workers: dict[str, WorkerModel] = {}
         self.next_id = 1
         # The shard as the model sees it.
@@ -449,6 +450,10 @@ class StoreMachine(RuleBasedStateMachine):
         worker = self.pick(data, [w for w in self.live() if w.history])
         sequence = data.draw(st.sampled_from(sorted(worker.history)), label="sequence")
         args, reply = worker.history[sequence]
+        if sequence not in list(worker.history)[-DEDUPE_WINDOW:]:
+            # Past the window the reply is forgotten, but the push is still never re-applied.
+            reply = PushResult(self.version, 0, PushAction.APPLY)
+            event("retry past the window")
         before = self.observable()
         result = self.store.apply_push(**{**args, "grads": [g.clone() for g in args["grads"]]})
         self.pushes_received += 1
