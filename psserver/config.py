@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pswire.codec import DEFAULT_CHUNK_BYTES
+from pswire.flags import add_fields, parse
 
 __all__ = ["ServerConfig", "parse_args"]
 
@@ -68,35 +68,5 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         prog="psserver", description="Run one parameter-server shard.",
         epilog="Every flag can also be set as PSSERVER_<FLAG> (e.g. PSSERVER_PORT=7000); flags win.",
     )
-    for f in dataclasses.fields(ServerConfig):
-        if _kind(f) is bool:
-            parser.add_argument("--" + f.name.replace("_", "-"), action="store_true", default=None,
-                                help=f.metadata.get("help", ""))
-            continue
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), type=_kind(f), default=None,
-            help=f"{f.metadata.get('help', '')} (default: {f.default})",
-        )
-    args = parser.parse_args(argv)
-    values = {}
-    for f in dataclasses.fields(ServerConfig):
-        flag_value = getattr(args, f.name)
-        env_value = env.get("PSSERVER_" + f.name.upper())
-        if flag_value is not None:
-            values[f.name] = flag_value
-        elif env_value is not None:
-            if _kind(f) is bool:
-                values[f.name] = env_value.strip().lower() in ("1", "true", "yes", "on")
-                continue
-            try:
-                values[f.name] = _kind(f)(env_value)
-            except ValueError:
-                parser.error(f"PSSERVER_{f.name.upper()}={env_value!r} is not a valid {_kind(f).__name__}")
-    try:
-        return ServerConfig(**values)
-    except ValueError as exc:
-        parser.error(str(exc))
-
-
-def _kind(f: dataclasses.Field) -> type:
-    return {"int": int, "float": float, "bool": bool}.get(str(f.type).split(" ")[0], str)
+    add_fields(parser, ServerConfig)
+    return parse(ServerConfig, parser, argv, env, "PSSERVER")

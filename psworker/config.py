@@ -5,18 +5,19 @@ and the environment."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pswire.consistency import Consistency
+from pswire.flags import add_fields, parse
 from pswire.optim import OPTIMIZERS, OptimizerConfig
 
 __all__ = ["WorkerConfig", "build_parser", "parse_args"]
 
 
 def _f(default, help: str, **kw):
+    kw.pop("flag", None)  # bool fields are switches by their type
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -125,25 +126,13 @@ class WorkerConfig:
         )
 
 
-def _kind(f: dataclasses.Field) -> type:
-    return {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-
-
 def build_parser(prog: str = "psworker") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Train a task against parameter-server shards (or locally with --local).",
         epilog="Every flag can also be set as PSWORKER_<FLAG> (e.g. PSWORKER_PS=ps0:7000); flags win.",
     )
-    for f in dataclasses.fields(WorkerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.metadata.get("flag"):
-            parser.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
-        else:
-            parser.add_argument(
-                flag, type=_kind(f), default=None, choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} (default: {f.default})",
-            )
+    add_fields(parser, WorkerConfig)
     return parser
 
 
@@ -151,23 +140,4 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     """Flags, then ``PSWORKER_<FIELD>`` variables, then defaults. Exits with a usage error
     naming the problem on invalid input."""
     env = os.environ if env is None else env
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    values = {}
-    for f in dataclasses.fields(WorkerConfig):
-        flag_value = getattr(args, f.name)
-        env_value = env.get("PSWORKER_" + f.name.upper())
-        if flag_value is not None:
-            values[f.name] = flag_value
-        elif env_value is not None:
-            if f.metadata.get("flag"):
-                values[f.name] = env_value.strip().lower() in ("1", "true", "yes", "on")
-                continue
-            try:
-                values[f.name] = _kind(f)(env_value)
-            except ValueError:
-                parser.error(f"PSWORKER_{f.name.upper()}={env_value!r} is not a valid {_kind(f).__name__}")
-    try:
-        return WorkerConfig(**values)
-    except ValueError as exc:
-        parser.error(str(exc))
+    return parse(WorkerConfig, build_parser(), argv, env, "PSWORKER")

@@ -1,0 +1,39 @@
+import pytest
+
+from psserver.config import parse_args as server_args
+from psworker.config import parse_args as worker_args
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_flags_win_over_environment_which_wins_over_defaults():
+    env = {"PSWORKER_STEPS": "7", "PSWORKER_LR": "0.5", "PSWORKER_AMSGRAD": "true"}
+    config = worker_args(["--ps", "h:1", "--lr", "0.25"], env)
+    assert (config.steps, config.lr, config.amsgrad, config.batch_size) == (7, 0.25, True, None)
+    server = server_args(["--port", "7000"], {"PSSERVER_PORT": "1", "PSSERVER_THREADS": "20"})
+    assert (server.port, server.threads, server.host) == (7000, 20, "127.0.0.1")
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--task", "linreg"], {}, "--ps HOST:PORT"),
+    (["--ps", "h:1", "--worker-index", "2", "--num-workers", "2"], {}, "--worker-index must be in 0..1"),
+    (["--ps", "h:1", "--mode", "ssp", "--backup-workers", "1"], {}, "backup workers apply to sync mode only"),
+    (["--ps", "h:1"], {"PSWORKER_STEPS": "many"}, "PSWORKER_STEPS='many' is not a valid int"),
+    (["--ps", "h:1", "--device", "tpu"], {}, "--device must be cpu, cuda"),
+])
+def test_worker_config_errors_name_the_problem(argv, env, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        worker_args(argv, env)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--restore"], "need --checkpoint-dir"),
+    (["--restore", "--checkpoint-dir", "/tmp/x"], "--restore needs --shard-index"),
+    (["--checkpoint-dir", "/tmp/x", "--checkpoint-every", "soon"], "--checkpoint-every must look like"),
+    (["--port", "70000"], "port must be in 0..65535"),
+])
+def test_server_config_errors_name_the_problem(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        server_args(argv, {})
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
