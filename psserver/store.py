@@ -201,7 +201,7 @@ class ShardStore:
                     self._initializer = worker.worker_id
                     self._init_deadline = now + self._init_timeout
                     must_init = True
-            self._changed.notify_all()
+            self._membership_changed()  # a returning sync contributor may complete the open clock
             return RegisterResult(
                 worker.worker_id, worker.generation, must_init, self._version, start, self._job.consistency,
                 self._lease_timeout or 0.0, dict(worker.data),
