@@ -58,8 +58,8 @@ def test_killed_worker_is_evicted_within_the_lease_and_blocks_nobody(shards, mod
     ps = f"{a.address},{b.address}"
     victim = _worker(ps, 2, 3, "--mode", *mode, "--steps", "100000")
     others = [_worker(ps, i, 3, "--mode", *mode, "--steps", "200") for i in range(2)]
-    _wait_until(lambda: all(len([w for w in s.workers if w.live]) == 3 and s.clock >= 3 for s in _status(ps)),
-                120, victim, "three live workers at clock 3")
+    _wait_until(lambda: all(len([w for w in s.workers if w.live and w.pushes >= 1]) == 3 and s.clock >= 3
+                            for s in _status(ps)), 120, victim, "three pushing workers at clock 3")
     victim.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     victim.wait(timeout=30)
@@ -79,7 +79,8 @@ def test_frozen_worker_is_fenced_rejoins_and_nothing_is_applied_twice(shards):
     (a,) = shards(1, "--lease-timeout", str(LEASE))
     frozen = _worker(a.address, 0, 2, "--steps", "400", "--slowdown", "3")
     other = _worker(a.address, 1, 2, "--steps", "400", "--slowdown", "3")
-    _wait_until(lambda: all(s.version >= 20 for s in _status(a.address)), 120, frozen, "20 updates")
+    _wait_until(lambda: all(s.version >= 20 and len([w for w in s.workers if w.pushes >= 1]) == 2
+                            for s in _status(a.address)), 120, frozen, "20 updates from both workers")
     frozen.send_signal(signal.SIGSTOP)  # a paused process: no heartbeats, no pushes
     try:
         _wait_until(lambda: _status(a.address)[0].workers_evicted == 1, 4 * LEASE, other, "eviction")

@@ -107,7 +107,11 @@ def test_stopping_the_slow_worker_lets_the_others_finish(shards, mode):
     slow = _worker(ps, 2, 3, *common, "--steps", "100000", "--slowdown", "30")
     fast = [_worker(ps, i, 3, *common, "--steps", "150") for i in range(2)]
     deadline = time.monotonic() + 120
-    while min((s.clock for s in _status(ps)), default=0) < 3:
+    # Wait until the slow worker itself has joined and pushed (it starts slowly under load).
+    while not all(
+        any(w.worker_name == "worker-2" and w.live and w.pushes >= 1 for w in s.workers) and s.clock >= 3
+        for s in _status(ps)
+    ):
         assert time.monotonic() < deadline, "the job never got going"
         assert slow.poll() is None and all(p.poll() is None for p in fast)
         _wait_exit(slow, 0.2)
