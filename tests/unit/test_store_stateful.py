@@ -235,8 +235,9 @@ class StoreMachine(RuleBasedStateMachine):
             worker.clock, worker.live = start, True
             worker.sequence = 0
             worker.history.clear()
-        if self.mode is Mode.SYNC and self.received and self.live_contributors() >= self.quorum():
-            self.quorum_left_open = True
+        # register() re-checks membership like a departure does: a returning sync sender may
+        # complete the open clock, which is then applied at once.
+        self.membership_changed()
         got = (result.worker_id, result.generation, result.must_initialize, result.version, result.clock)
         assert got == (worker.worker_id, worker.generation, must_initialize, self.version, start)
         assert result.consistency == self.cons
