@@ -288,6 +288,10 @@ class CheckpointStore:
             result = part if i == want else result
         return result
 
+    def is_complete(self, checkpoint_id: int, num_shards: int) -> bool:
+        """Whether every part of a checkpoint is present (manifests and sizes checked, no hashing)."""
+        return self._complete(checkpoint_id, num_shards)
+
     def _complete(self, cid: int, n: int) -> bool:
         # Pruning checks sizes only (no hashing), so a write does not re-read the whole history.
         try:

@@ -90,7 +90,7 @@ class Checkpointer:
                 checkpoint_id, job["shard_index"], job["num_shards"], ShardPart(tensors, metadata)
             )
             self.last_id, self.last_path = checkpoint_id, str(path)
-            complete = any(c["id"] == checkpoint_id and c["complete"] for c in self._files.list())
+            complete = self._files.is_complete(checkpoint_id, job["num_shards"])
             log.info("checkpoint %d written to %s in %.2fs (version %d%s)", checkpoint_id, path,
                      time.monotonic() - started, version, ", complete" if complete else "")
             return str(path), version, complete

@@ -91,7 +91,6 @@ class _Worker:
     live: bool = True
     evicted: bool = False
     pushes: int = 0
-    last_seen: float = field(default_factory=time.time)
     heard_at: float = 0.0
     """When the shard last heard from it, on the store's monotonic clock (for its lease)."""
     fenced: str = ""
@@ -138,6 +137,7 @@ class ShardStore:
         self._initializer: int | None = None
         self._init_deadline = 0.0
         self._workers: dict[str, _Worker] = {}
+        self._by_id: dict[int, _Worker] = {}  # the same workers, keyed by id for every push
         self._next_worker_id = 1
         self._version = 0
         self._clock_floor = 0
@@ -187,13 +187,13 @@ class ShardStore:
             if worker is None:
                 worker = _Worker(self._next_worker_id, reg.worker_name, 1, clock=start)
                 self._next_worker_id += 1
-                self._workers[reg.worker_name] = worker
+                self._workers[reg.worker_name] = self._by_id[worker.worker_id] = worker
             else:
                 worker.generation += 1
                 worker.applied.clear()  # sequences restart with each generation
                 worker.max_sequence = 0
                 worker.clock, worker.live, worker.evicted, worker.fenced = start, True, False, ""
-            worker.last_seen, worker.heard_at = time.time(), self._now()
+            worker.heard_at = self._now()
             must_init = False
             if self._state is ShardState.INITIALIZING:
                 now = self._now()
@@ -243,25 +243,25 @@ class ShardStore:
 
     def _check_worker(self, worker_id: int, generation: int) -> _Worker:
         # Caller holds _lock.
-        for worker in self._workers.values():
-            if worker.worker_id == worker_id:
-                if generation != worker.generation:
-                    raise FencedError(
-                        f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
-                        f"but its current generation is {worker.generation}: re-register"
-                    )
-                if worker.fenced:
-                    raise FencedError(f"worker {worker.name!r}: {worker.fenced}; re-register")
-                if worker.evicted:
-                    raise FencedError(
-                        f"worker {worker.name!r} was evicted: no heartbeat for over "
-                        f"{self._lease_timeout:.1f}s; re-register"
-                    )
-                if not worker.live:
-                    raise FencedError(f"worker {worker.name!r} left the job: re-register")
-                worker.last_seen, worker.heard_at = time.time(), self._now()
-                return worker
-        raise FencedError(f"worker id {worker_id} is not registered with this shard: register first")
+        worker = self._by_id.get(worker_id)
+        if worker is None:
+            raise FencedError(f"worker id {worker_id} is not registered with this shard: register first")
+        if generation != worker.generation:
+            raise FencedError(
+                f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
+                f"but its current generation is {worker.generation}: re-register"
+            )
+        if worker.fenced:
+            raise FencedError(f"worker {worker.name!r}: {worker.fenced}; re-register")
+        if worker.evicted:
+            raise FencedError(
+                f"worker {worker.name!r} was evicted: no heartbeat for over "
+                f"{self._lease_timeout:.1f}s; re-register"
+            )
+        if not worker.live:
+            raise FencedError(f"worker {worker.name!r} left the job: re-register")
+        worker.heard_at = self._now()
+        return worker
 
     def _member_clocks(self) -> dict[str, int]:
         return {w.name: w.clock for w in self._workers.values() if w.live}
@@ -520,9 +520,9 @@ class ShardStore:
         with self._changed:
             job = self._job
             assert job is not None
-            name = next((w.name for w in self._workers.values() if w.worker_id == worker_id), None)
-            if clock >= 0 and name is not None and job.consistency.mode is not Mode.ASYNC:
-                self._wait_for_bound(job.consistency, name, clock, deadline)
+            reader = self._by_id.get(worker_id)
+            if clock >= 0 and reader is not None and job.consistency.mode is not Mode.ASYNC:
+                self._wait_for_bound(job.consistency, reader.name, clock, deadline)
             out = []
             for key, slot in self._slots.items():
                 if known_versions.get(key) == slot.version:
@@ -554,6 +554,7 @@ class ShardStore:
         """Plain-data view of the shard for ``psctl status``."""
         with self._lock:
             job = self._job
+            now, wall = self._now(), time.time()
             return {
                 "state": self._state.value,
                 "shard_index": job.shard_index if job else -1,
@@ -571,7 +572,7 @@ class ShardStore:
                 ),
                 "workers": [
                     {"worker_id": w.worker_id, "worker_name": w.name, "generation": w.generation,
-                     "pushes": w.pushes, "last_seen_unix": w.last_seen, "clock": w.clock, "live": w.live,
+                     "pushes": w.pushes, "last_seen_unix": wall - (now - w.heard_at), "clock": w.clock, "live": w.live,
                      "evicted": w.evicted}
                     for w in self._workers.values()
                 ],
@@ -587,7 +588,7 @@ class ShardStore:
                 "lease_seconds": self._lease_timeout or 0.0,
                 "max_staleness": self._max_staleness,
                 "staleness_histogram": list(self._staleness_counts),
-                "uptime_seconds": self._now() - self._started,
+                "uptime_seconds": now - self._started,
             }
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -672,6 +673,7 @@ class ShardStore:
             self._clock_floor = int(metadata.get("clock", metadata["clock_floor"]))
             self._open_clock = int(metadata["open_clock"])
             self._workers = workers
+            self._by_id = {w.worker_id: w for w in workers.values()}
             self._next_worker_id = int(metadata["next_worker_id"])
             self._pushes_applied = int(counters.get("pushes_applied", 0))
             self._pushes_dropped = int(counters.get("pushes_dropped", 0))

@@ -147,9 +147,12 @@ class ShardClient:
                 f"shard {self.address} did not accept a connection within {timeout:.0f}s"
             ) from None
 
-    def _call(self, method, request, *, nbytes: int = 0):
+    def _call(self, method, request, *, nbytes: int = 0, timeout: float | None = None, wait_for_ready: bool = True):
         try:
-            return method(request, timeout=self.options.deadline(nbytes), wait_for_ready=True)
+            return method(
+                request, timeout=self.options.deadline(nbytes) if timeout is None else timeout,
+                wait_for_ready=wait_for_ready,
+            )
         except grpc.RpcError as exc:
             raise _translate(exc, self.address) from exc
 
@@ -178,10 +181,11 @@ class ShardClient:
         self._call(self._stub.Leave, request)
 
     def heartbeat(self, request: ps_pb2.HeartbeatRequest, timeout: float) -> ps_pb2.HeartbeatResponse:
-        try:
-            return self._stub.Heartbeat(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from exc
+        # No wait_for_ready: a heartbeat to an unreachable shard fails fast and the next one retries.
+        return self._call(self._stub.Heartbeat, request, timeout=timeout, wait_for_ready=False)
+
+    def checkpoint(self, request: ps_pb2.CheckpointRequest) -> ps_pb2.CheckpointResponse:
+        return self._call(self._stub.Checkpoint, request)
 
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
@@ -197,28 +201,27 @@ class ShardClient:
             if first is None or first.WhichOneof("kind") != "header":
                 raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
             header = first.header
+            # Skipped parts send no chunks: map the header's part indices to the included ones.
+            included: dict[int, int] = {}
             parts, dests, versions = [], [], {}
-            for pulled in header.parts:
+            for index, pulled in enumerate(header.parts):
                 part = Part.from_proto(pulled.spec)
                 if part.key not in destinations:
                     raise errors.PreconditionError(
                         f"shard {self.address} holds {part.key!r}, which this worker's placement "
                         "does not put there"
                     )
-                parts.append(part)
-                dests.append(destinations[part.key] if pulled.included else None)
                 if pulled.included:
+                    included[index] = len(parts)
+                    parts.append(part)
+                    dests.append(destinations[part.key])
                     versions[part.key] = pulled.version
-            assembler = ChunkAssembler(
-                [p for p, d in zip(parts, dests) if d is not None], [d for d in dests if d is not None]
-            )
-            index_map = {}
-            for i, d in enumerate(dests):
-                if d is not None:
-                    index_map[i] = len(index_map)
+            assembler = ChunkAssembler(parts, dests)
             for message in stream:
                 chunk = message.chunk
-                chunk.part_index = index_map[chunk.part_index]
+                if chunk.part_index not in included:
+                    raise errors.PSError(f"shard {self.address} sent bytes of part {chunk.part_index}, not in its header")
+                chunk.part_index = included[chunk.part_index]
                 assembler.add(chunk)
             assembler.finish()
             return header, versions
@@ -471,7 +474,7 @@ class PSClient:
     def checkpoint(self, checkpoint_id: int) -> list[ps_pb2.CheckpointResponse]:
         """Ask every shard to write its part of checkpoint ``checkpoint_id`` (admin)."""
         return self._fan_out(
-            lambda c: c._call(c._stub.Checkpoint, ps_pb2.CheckpointRequest(checkpoint_id=checkpoint_id)),
+            lambda c: c.checkpoint(ps_pb2.CheckpointRequest(checkpoint_id=checkpoint_id)),
             self._clients,
         )
 

@@ -93,9 +93,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if clash:
         parser.error(f"pscluster sets {', '.join(clash)} itself")
     # Validate the worker flags now, not in M failing children.
-    build_parser("pscluster (worker flags)").parse_args(
+    worker = build_parser("pscluster (worker flags)").parse_args(
         [*worker_args, "--ps", "127.0.0.1:1", "--task", args.task]
     )
+    args.seed = worker.seed or 0  # the final evaluation builds the task with the workers' seed
     return args, worker_args
 
 
@@ -163,8 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         from psworker.training import evaluate_job  # imports torch: only once training is done
 
-        seed = _seed(worker_args)
-        final = evaluate_job(ps, args.task, seed=seed)
+        final = evaluate_job(ps, args.task, seed=args.seed)
         summary = {
             "task": args.task,
             "mode": results[0]["mode"],
@@ -187,11 +187,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in reversed(procs):
             p.stop()
         tmp.cleanup()
-
-
-def _seed(worker_args: list[str]) -> int:
-    ns, _ = build_parser().parse_known_args([*worker_args, "--ps", "127.0.0.1:1"])
-    return ns.seed if ns.seed is not None else 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 import sys
 import time
 from dataclasses import dataclass
@@ -155,7 +156,7 @@ def train(config: WorkerConfig) -> dict:
         data.seek(resume["epoch"], resume["position"])
         log.info("%s resumes at step %d (epoch %d, position %d)", config.name, first_step, resume["epoch"], resume["position"])
     progress = _Progress(config.progress, total, config.log_every, config.name)
-    recent: list[float] = []
+    recent: deque[float] = deque(maxlen=20)
     losses: list[float] = []
     evals: list[dict] = []
     samples = 0
@@ -178,7 +179,7 @@ def train(config: WorkerConfig) -> dict:
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss became {value} at step {step}: lower --lr")
-            recent = (recent + [value])[-20:]
+            recent.append(value)
             if config.record_losses:
                 losses.append(value)
             samples += len(idx)
