@@ -158,7 +158,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             snapshot = self._store.pull(
                 dict(request.known_versions), chunk_bytes=self._chunk_bytes, timeout=wait,
-                worker_id=request.worker_id, clock=request.clock if request.worker_id else -1,
+                worker_id=request.worker_id, generation=request.generation,
+                clock=request.clock if request.worker_id else -1,
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)

@@ -296,12 +296,15 @@ class ShardStore:
 
         An initialisation lists every part of the shard, in order; a push lists a subset of
         them without repeats (none at all only in ssp/sync, where it just advances the clock).
-        Raises ``InvalidArgumentError`` naming the offending variable, or ``PreconditionError``
-        when the shard has no job yet.
+        Raises ``InvalidArgumentError`` naming the offending variable; when the shard has no job
+        yet, ``PreconditionError`` for an initialisation and ``FencedError`` for a push (its
+        sender registered with a shard that has since lost its state: it must register again).
         """
         with self._lock:
             if self._job is None:
-                raise PreconditionError("this shard has no job yet: register first")
+                if initialize:
+                    raise PreconditionError("this shard has no job yet: register first")
+                raise FencedError("this shard has no job (it restarted without a checkpoint?): register again")
             expected = {p.key: p for p in self._job.parts}
             clock_only_ok = not initialize and self._job.consistency.mode is not Mode.ASYNC
         if not header_parts and not clock_only_ok:
@@ -505,24 +508,36 @@ class ShardStore:
         chunk_bytes: int,
         timeout: float,
         worker_id: int = 0,
+        generation: int = 0,
         clock: int = -1,
     ) -> PullSnapshot:
         """A consistent snapshot of every part, cut into chunks; parts whose version equals
         ``known_versions[key]`` are skipped.
 
         Waits up to ``timeout`` for initialisation and, for a registered worker reading at
-        ``clock >= 0`` in ssp/sync, until the consistency bound lets it read. Raises
-        ``NotReadyError`` (not initialised, or too many pulls waiting) or ``DeadlineError``
-        naming the worker it waited for.
+        ``clock >= 0`` in ssp/sync, until the consistency bound lets it read. Such a training
+        pull must come from the worker's current registration: a worker fenced off (evicted, or
+        the shard restored) gets ``FencedError`` rather than waiting on a clock this shard may
+        never reach. Raises ``NotReadyError`` (not initialised, or too many pulls waiting) or
+        ``DeadlineError`` naming the worker it waited for.
         """
         deadline = self._now() + timeout
+        with self._lock:
+            if worker_id and worker_id not in self._by_id:
+                # The shard lost its state (restarted without a checkpoint): waiting would not help.
+                raise FencedError(
+                    f"worker id {worker_id} is not registered with this shard "
+                    "(it restarted without a checkpoint?): register again"
+                )
         self.wait_ready(timeout)
         with self._changed:
             job = self._job
             assert job is not None
-            reader = self._by_id.get(worker_id)
-            if clock >= 0 and reader is not None and job.consistency.mode is not Mode.ASYNC:
-                self._wait_for_bound(job.consistency, reader.name, clock, deadline)
+            if clock >= 0 and worker_id:
+                reader = self._check_worker(worker_id, generation)
+                if job.consistency.mode is not Mode.ASYNC:
+                    self._wait_for_bound(job.consistency, reader, clock, deadline)
+                    self._check_worker(worker_id, generation)  # it may have been evicted meanwhile
             out = []
             for key, slot in self._slots.items():
                 if known_versions.get(key) == slot.version:
@@ -534,10 +549,15 @@ class ShardStore:
             self._pulls_served += 1
             return PullSnapshot(self._version, self._current_clock(), out)
 
-    def _wait_for_bound(self, consistency: cons.Consistency, name: str, clock: int, deadline: float) -> None:
-        # Caller holds _lock.
+    def _wait_for_bound(self, consistency: cons.Consistency, reader: _Worker, clock: int, deadline: float) -> None:
+        # Caller holds _lock. Also ends when the reader is fenced off or leaves while it waits.
+        name, generation = reader.name, reader.generation
+
         def decide() -> cons.PullDecision:
             return cons.decide_pull(consistency, clock, self._member_clocks(), self._open_clock)
+
+        def void() -> bool:
+            return reader.generation != generation or bool(reader.fenced) or reader.evicted or not reader.live
 
         first = decide()
         if first.proceed:
@@ -548,7 +568,7 @@ class ShardStore:
             last = decide()
             return DeadlineError(f"pull of {name} at clock {clock} timed out waiting for {last.waiting_for}: {last.reason}")
 
-        self._wait(lambda: decide().proceed, deadline, timed_out)
+        self._wait(lambda: void() or decide().proceed, deadline, timed_out)
 
     def status(self) -> dict:
         """Plain-data view of the shard for ``psctl status``."""

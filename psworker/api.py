@@ -205,13 +205,13 @@ class DistributedOptimizer:
             if self.session.client.fenced.is_set():
                 raise errors.FencedError("a heartbeat was refused: this worker was evicted")
             self.session.push()
+            self.session.pull()
         except errors.FencedError as exc:
-            # The shards fenced this worker off (it was evicted, e.g. after a partition): this
-            # gradient was computed for a registration that no longer exists, so drop it.
+            # The shards fenced this worker off (it was evicted, e.g. after a partition, or a
+            # shard restored from a checkpoint): a gradient computed for a registration that no
+            # longer exists is dropped, and the worker joins again and pulls the current weights.
             log.warning("%s: %s; re-registering", self.session.worker_name, exc)
             self.session.rejoin()
-            return loss
-        self.session.pull()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,5 +1,8 @@
 """Leases and eviction, driven by an injected clock (no sleeping)."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -49,7 +52,7 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
     # a pushes clock 0; its next pull (clock 1) must wait for b, still at clock 0.
     store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [torch.ones(2)], clock=0, base_clock=0)
     with pytest.raises(DeadlineError, match="waiting for b"):
-        store.pull({}, chunk_bytes=1024, timeout=0.0, worker_id=a.worker_id, clock=1)
+        store.pull({}, chunk_bytes=1024, timeout=0.0, worker_id=a.worker_id, generation=a.generation, clock=1)
 
     clock.now += 3.0
     assert store.heartbeat(a.worker_id, a.generation) == 5.0
@@ -62,7 +65,7 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
         "a": (True, False), "b": (False, True)}
 
     # b no longer holds a back.
-    snapshot = store.pull({}, chunk_bytes=1024, timeout=0.0, worker_id=a.worker_id, clock=1)
+    snapshot = store.pull({}, chunk_bytes=1024, timeout=0.0, worker_id=a.worker_id, generation=a.generation, clock=1)
     assert snapshot.clock == 1
 
     # b's late push and heartbeat are fenced off; nothing changes.
@@ -71,6 +74,9 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
         store.apply_push(b.worker_id, b.generation, 1, 0, [PART], [torch.ones(2)], clock=0, base_clock=0)
     with pytest.raises(FencedError, match="re-register"):
         store.heartbeat(b.worker_id, b.generation)
+    # ... and so is its training pull, which would otherwise wait on a clock nobody advances.
+    with pytest.raises(FencedError, match="evicted"):
+        store.pull({}, chunk_bytes=1024, timeout=0.0, worker_id=b.worker_id, generation=b.generation, clock=1)
     assert store.status()["version"] == version
 
     # b re-registers: a new generation, starting at the shard's clock.
@@ -102,3 +108,31 @@ def test_no_eviction_without_a_lease():
     store.register(_reg("a", Consistency()))
     clock.now += 1e6
     assert store.evict_expired() == []
+
+
+def test_a_pull_waiting_on_the_bound_ends_when_its_registration_is_void():
+
+    store = ShardStore(lease_timeout=5.0)
+    ssp = Consistency(mode="ssp", staleness=0)
+    a = store.register(_reg("a", ssp))
+    b = store.register(_reg("b", ssp))
+    store.initialize(a.worker_id, a.generation, [torch.zeros(2)])
+    store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [torch.ones(2)], clock=0, base_clock=0)
+    outcome: list[BaseException] = []
+
+    def waiting_pull() -> None:
+        try:
+            store.pull({}, chunk_bytes=1024, timeout=30.0, worker_id=a.worker_id, generation=a.generation, clock=1)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    reader = threading.Thread(target=waiting_pull)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while store.status()["pulls_waiting"] == 0:
+        assert time.monotonic() < deadline, "the pull never started waiting"
+        reader.join(timeout=0.01)
+    store.register(_reg("a", ssp))  # a joins again (e.g. after a restore): the old pull is void
+    reader.join(timeout=10)
+    assert not reader.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], FencedError), outcome

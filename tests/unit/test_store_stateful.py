@@ -331,7 +331,8 @@ class StoreMachine(RuleBasedStateMachine):
         decision = decide_pull(self.cons, clock, members, self.open_clock)
         assert decision.proceed == proceed
         known = dict(worker.known) if use_known else {}
-        call = dict(chunk_bytes=CHUNK_BYTES, timeout=0.0, worker_id=worker.worker_id, clock=clock)
+        call = dict(chunk_bytes=CHUNK_BYTES, timeout=0.0, worker_id=worker.worker_id,
+                    generation=worker.generation, clock=clock)
         if not proceed:
             event("pull refused")
             with pytest.raises(DeadlineError) as caught:
@@ -619,7 +620,8 @@ def _job(consistency: Consistency, *names: str) -> tuple[ShardStore, dict[str, R
 
 
 def _step(store: ShardStore, worker: RegisterResult, clock: int, sequence: int, grad: float) -> PushResult:
-    snapshot = store.pull({}, chunk_bytes=64, timeout=0.0, worker_id=worker.worker_id, clock=clock)
+    snapshot = store.pull({}, chunk_bytes=64, timeout=0.0, worker_id=worker.worker_id,
+                          generation=worker.generation, clock=clock)
     return store.apply_push(
         worker.worker_id, worker.generation, sequence, snapshot.version, ONE, [torch.full((2,), grad, dtype=F64)],
         clock=clock, base_clock=snapshot.clock,
