@@ -3,14 +3,22 @@
 Shows every process's log lines prefixed with its name, stops everything on Ctrl-C or when any
 process fails (exit status 1, or 130 when interrupted), and prints one JSON line at the end: the
 workers' totals and the test metrics of the final model held by the shards.
+
+With ``--restart`` a process that dies is started again with the same arguments instead, up to
+``--max-restarts`` times each: a shard on the port it had, with ``--restore`` (the shards then
+write a checkpoint every ``--checkpoint-every``), and a worker under the same name, so that it
+re-registers and resumes from the data position the shards recorded for it. A worker that exits
+0 has finished and is left alone; a shard that exits at all while the job runs has died.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,26 +26,42 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from psworker.config import build_parser
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from psserver.config import ServerConfig
+
+__all__ = ["Action", "decide_exit", "main"]
 
 log = logging.getLogger("pscluster")
 
+# What a worker logs once it has registered (psworker.training): the step it goes on from.
+_WORKER_STARTED = re.compile(r"\b(?:starts|resumes) at step (\d+)")
+# pscluster sets these itself; a second value would split the job.
+_RESERVED_WORKER_FLAGS = {"--ps", "--worker-index", "--num-workers", "--task", "--local", "--worker-name"}
+_RESERVED_SHARD_FLAGS = {"--host", "--port", "--port-file", "--shard-index", "--num-shards", "--restore"}
+
 
 class _Proc:
-    """A child process whose output lines are relayed with a prefix; the last line of stdout
-    that parses as JSON is kept as its result."""
+    """One run of a child process whose output lines are relayed with a prefix; the last line of
+    stdout that parses as JSON is kept as its result, and the first line that matches ``ready``
+    (with the time it came) as its sign of readiness."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: re.Pattern | None = None) -> None:
         self.name = name
         self.result: dict | None = None
+        self.ready = ready
+        self.ready_match: re.Match | None = None
+        self.ready_at: float | None = None
         self.popen = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True,  # Ctrl-C reaches pscluster only; it stops children in order
         )
+        log.info("started %s, pid %d", name, self.popen.pid)
         self._threads = [
             threading.Thread(target=self._relay, args=(self.popen.stdout, True), daemon=True),
             threading.Thread(target=self._relay, args=(self.popen.stderr, False), daemon=True),
@@ -54,6 +78,10 @@ class _Proc:
                     continue
                 except json.JSONDecodeError:
                     pass
+            if self.ready is not None and self.ready_match is None:
+                match = self.ready.search(line)
+                if match:
+                    self.ready_at, self.ready_match = time.monotonic(), match
             print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -71,6 +99,71 @@ class _Proc:
             t.join(timeout=timeout)
 
 
+class Action(enum.Enum):
+    DONE = "done"
+    RESTART = "restart"
+    FAIL = "fail"
+
+
+def exit_reason(returncode: int) -> str:
+    """``exit status 1``, or ``exit status -9 (killed by SIGKILL)`` for a signal."""
+    if returncode < 0:
+        try:
+            return f"exit status {returncode} (killed by {signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"exit status {returncode} (killed by signal {-returncode})"
+    return f"exit status {returncode}"
+
+
+def decide_exit(
+    role: str, returncode: int, restarts: int, *, restart: bool, max_restarts: int
+) -> tuple[Action, str]:
+    """What to do about a child that exited while the job runs, and why: a worker that exits 0
+    has finished; any other exit of a worker, and any exit of a shard, is a death, answered by
+    a restart while ``restart`` is on and the child has had fewer than ``max_restarts``."""
+    how = exit_reason(returncode)
+    if role == "worker" and returncode == 0:
+        return Action.DONE, "finished"
+    if not restart:
+        return Action.FAIL, how
+    if restarts >= max_restarts:
+        return Action.FAIL, f"{how} after {restarts} restart(s) (--max-restarts {max_restarts})"
+    return Action.RESTART, how
+
+
+@dataclass
+class _Recovery:
+    """One restart, from the death of a child to its replacement being back at work."""
+
+    process: str
+    reason: str
+    pid: int
+    new_pid: int
+    died_at: float
+    recovered_seconds: float | None = None
+    resumed_at_step: int | None = None
+
+    def record(self) -> dict:
+        out = {"process": self.process, "reason": self.reason, "pid": self.pid, "new_pid": self.new_pid,
+               "recovered_seconds": self.recovered_seconds}
+        if self.resumed_at_step is not None:
+            out["resumed_at_step"] = self.resumed_at_step
+        return out
+
+
+@dataclass
+class _Child:
+    """A shard or worker slot of the cluster: its current process and its restart history."""
+
+    name: str
+    role: str  # "shard" or "worker"
+    index: int
+    proc: _Proc
+    restarts: int = 0
+    finished: bool = False
+    recovering: _Recovery | None = None
+
+
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="pscluster",
@@ -82,89 +175,222 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--task", default="mnist1d-cnn", help="task to train (default: mnist1d-cnn)")
     parser.add_argument("--host", default="127.0.0.1", help="interface the shards bind (default: 127.0.0.1)")
     parser.add_argument("--start-timeout", type=float, default=120.0,
-                        help="seconds for shards to start listening (default: 120)")
+                        help="seconds for a shard to start listening, also after a restart (default: 120)")
     parser.add_argument("--shard-arg", action="append", default=[],
                         help="extra psserver flag, repeatable (e.g. --shard-arg=--threads=8)")
+    parser.add_argument("--restart", action="store_true",
+                        help="restart a shard or worker that dies (non-zero exit or a signal) instead of "
+                        "stopping the cluster: a shard on the same port with --restore from the newest "
+                        "complete checkpoint, a worker with the same flags, so it re-registers and resumes "
+                        "from its saved data position. Off by default")
+    parser.add_argument("--max-restarts", type=int, default=3,
+                        help="with --restart, restarts allowed per shard or worker (default: 3)")
+    parser.add_argument("--checkpoint-every", default="5s",
+                        help="with --restart, how often shards checkpoint (30s: seconds, 500: steps), unless "
+                        "--shard-arg sets it; checkpoints go to a fresh directory under the run directory "
+                        "unless --shard-arg sets --checkpoint-dir (default: 5s)")
     args, worker_args = parser.parse_known_args(argv)
     if args.shards < 1 or args.workers < 1:
         parser.error("--shards and --workers must be >= 1")
-    reserved = {"--ps", "--worker-index", "--num-workers", "--task", "--local"}
-    clash = [a for a in worker_args if a.split("=")[0] in reserved]
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
+    from psserver.checkpointer import parse_schedule
+
+    try:
+        parse_schedule(args.checkpoint_every)
+    except ValueError as exc:
+        parser.error(str(exc))
+    clash = [a for a in worker_args if a.split("=")[0] in _RESERVED_WORKER_FLAGS]
+    clash += [a for a in args.shard_arg if a.split("=")[0] in _RESERVED_SHARD_FLAGS]
     if clash:
         parser.error(f"pscluster sets {', '.join(clash)} itself")
-    # Validate the worker flags now, not in M failing children.
+    # Validate the worker and shard flags now, not in M or N failing children.
     worker = build_parser("pscluster (worker flags)").parse_args(
         [*worker_args, "--ps", "127.0.0.1:1", "--task", args.task]
     )
     args.seed = worker.seed or 0  # the final evaluation builds the task with the workers' seed
+    _shard_config(args, Path("<run directory>"))
     return args, worker_args
 
 
-def _wait_ports(shards: list[_Proc], files: list[Path], timeout: float) -> list[int]:
+def _shard_config(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], ServerConfig]:
+    """The environment of the shards and the settings they will run with, validated by the
+    shard's own parser (exits with a usage error naming the problem). ``--restart`` supplies
+    checkpoint defaults as ``PSSERVER_*`` variables, so that ``--shard-arg`` flags and the
+    user's own variables win over them."""
+    from psserver.config import parse_args as parse_shard_args
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.restart:
+        env.setdefault("PSSERVER_CHECKPOINT_DIR", str(run_dir / "checkpoints"))
+        env.setdefault("PSSERVER_CHECKPOINT_EVERY", args.checkpoint_every)
+    return env, parse_shard_args(args.shard_arg, env)
+
+
+def _wait_ports(
+    shards: list[_Child], files: list[Path], timeout: float, interrupted: threading.Event
+) -> list[int]:
     deadline = time.monotonic() + timeout
-    while True:
-        for proc in shards:
-            if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited with status {proc.popen.returncode} while starting")
+    while not interrupted.is_set():
+        for child in shards:
+            if child.proc.popen.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with status {child.proc.popen.returncode} while starting")
         if all(f.exists() for f in files):
             return [int(f.read_text()) for f in files]
         if time.monotonic() > deadline:
             raise TimeoutError(f"shards did not start listening within {timeout:.0f}s")
-        time.sleep(0.1)  # a child process starting up offers no event to wait on
+        interrupted.wait(timeout=0.1)  # a child process starting up offers no event to wait on
+    raise KeyboardInterrupt
+
+
+class _Cluster:
+    """Starts, watches and restarts the children of one run."""
+
+    def __init__(self, args: argparse.Namespace, worker_args: list[str], run_dir: Path) -> None:
+        self.args, self.worker_args, self.run_dir = args, worker_args, run_dir
+        self.env, shard = _shard_config(args, run_dir)
+        self.checkpoint_dir = Path(shard.checkpoint_dir) if shard.checkpoint_dir else None
+        self.threads = max(1, (os.cpu_count() or 1) // args.workers)
+        self.port_files = [run_dir / f"shard-{i}.port" for i in range(args.shards)]
+        self.ports: list[int] = [0] * args.shards
+        self.shards: list[_Child] = []
+        self.workers: list[_Child] = []
+        self.recoveries: list[_Recovery] = []
+        self.ps = ""
+
+    @property
+    def children(self) -> list[_Child]:
+        return self.shards + self.workers
+
+    def _shard_argv(self, i: int, restore: bool) -> list[str]:
+        return [sys.executable, "-m", "psserver", "--host", self.args.host, "--port", str(self.ports[i]),
+                "--port-file", str(self.port_files[i]), "--shard-index", str(i),
+                "--num-shards", str(self.args.shards), *self.args.shard_arg, *(["--restore"] if restore else [])]
+
+    def _worker_argv(self, i: int) -> list[str]:
+        return [sys.executable, "-m", "psworker", "--ps", self.ps, "--task", self.args.task,
+                "--worker-index", str(i), "--num-workers", str(self.args.workers),
+                "--progress", "log", "--threads", str(self.threads), *self.worker_args]
+
+    def start(self, interrupted: threading.Event) -> None:
+        if self.args.restart:
+            log.info("--restart: shards checkpoint to %s; a shard that dies restarts from there",
+                     self.checkpoint_dir)
+        self.shards = [_Child(f"shard{i}", "shard", i, _Proc(f"shard{i}", self._shard_argv(i, False), self.env))
+                       for i in range(self.args.shards)]
+        self.ports = _wait_ports(self.shards, self.port_files, self.args.start_timeout, interrupted)
+        self.ps = ",".join(f"{self.args.host}:{p}" for p in self.ports)
+        log.info("%d shard(s) listening: %s", self.args.shards, self.ps)
+        self.workers = [
+            _Child(f"worker{i}", "worker", i, _Proc(f"worker{i}", self._worker_argv(i), self.env, _WORKER_STARTED))
+            for i in range(self.args.workers)
+        ]
+
+    def _can_restore(self) -> bool:
+        # LATEST is the checkpoint store's commit point: it exists once a checkpoint is complete.
+        return self.checkpoint_dir is not None and (self.checkpoint_dir / "LATEST").exists()
+
+    def _restart(self, child: _Child, reason: str, died_at: float) -> None:
+        child.restarts += 1
+        old_pid = child.proc.popen.pid
+        child.proc.join_output(timeout=2.0)  # the dead process's last lines come first
+        if child.role == "shard":
+            restore = self._can_restore()
+            how = (f"on port {self.ports[child.index]} with --restore from {self.checkpoint_dir}" if restore else
+                   f"on port {self.ports[child.index]} EMPTY, as there is no complete checkpoint yet: if the "
+                   "job was initialised, its variables are lost, the workers fail on it and, restarted, "
+                   "initialise it anew")
+            self.port_files[child.index].unlink(missing_ok=True)
+            log.warning("%s (pid %d) died: %s; restarting it (restart %d of %d) %s", child.name, old_pid, reason,
+                        child.restarts, self.args.max_restarts, how)
+            child.proc = _Proc(child.name, self._shard_argv(child.index, restore), self.env)
+        else:
+            log.warning("%s (pid %d) died: %s; restarting it (restart %d of %d) with the same flags: it "
+                        "re-registers and resumes from the data position the shards recorded", child.name,
+                        old_pid, reason, child.restarts, self.args.max_restarts)
+            child.proc = _Proc(child.name, self._worker_argv(child.index), self.env, _WORKER_STARTED)
+        child.recovering = _Recovery(child.name, reason, old_pid, child.proc.popen.pid, died_at)
+        self.recoveries.append(child.recovering)
+
+    def _check_recovered(self, child: _Child, now: float) -> None:
+        recovery = child.recovering
+        if recovery is None:
+            return
+        if child.role == "shard":
+            if not self.port_files[child.index].exists():
+                if now - recovery.died_at > self.args.start_timeout:
+                    raise TimeoutError(f"{child.name} did not serve again within {self.args.start_timeout:.0f}s "
+                                       "of its restart")
+                return
+            recovery.recovered_seconds = round(now - recovery.died_at, 3)
+            log.warning("%s recovered in %.2fs: serving again on port %d (pid %d)", child.name,
+                        recovery.recovered_seconds, self.ports[child.index], recovery.new_pid)
+        else:
+            match, ready_at = child.proc.ready_match, child.proc.ready_at
+            if match is None or ready_at is None:
+                return
+            recovery.recovered_seconds = round(ready_at - recovery.died_at, 3)
+            recovery.resumed_at_step = int(match.group(1))
+            log.warning("%s recovered in %.2fs: re-registered and goes on at step %d (pid %d)", child.name,
+                        recovery.recovered_seconds, recovery.resumed_at_step, recovery.new_pid)
+        child.recovering = None
+
+    def watch(self, interrupted: threading.Event) -> bool:
+        """Supervise until every worker has finished (True) or until interrupted (False).
+        Raises ``RuntimeError`` when a child dies for good."""
+        while not interrupted.is_set():
+            now = time.monotonic()
+            for child in self.children:
+                if child.finished:
+                    continue
+                self._check_recovered(child, now)
+                returncode = child.proc.popen.poll()
+                if returncode is None:
+                    continue
+                action, reason = decide_exit(child.role, returncode, child.restarts,
+                                             restart=self.args.restart, max_restarts=self.args.max_restarts)
+                if action is Action.DONE:
+                    child.finished = True
+                elif action is Action.FAIL:
+                    raise RuntimeError(f"{child.name} failed with {reason}; stopping the cluster")
+                else:
+                    self._restart(child, reason, now)
+            if all(w.finished for w in self.workers):
+                return True
+            interrupted.wait(timeout=0.2)
+        return False
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.proc.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, worker_args = _parse(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s pscluster: %(message)s")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
-    procs: list[_Proc] = []
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     signal.signal(signal.SIGTERM, lambda *_: interrupted.set())
     tmp = tempfile.TemporaryDirectory(prefix="pscluster-")
+    cluster = _Cluster(args, worker_args, Path(tmp.name))
     started = time.monotonic()
     try:
-        files = [Path(tmp.name) / f"shard-{i}.port" for i in range(args.shards)]
-        shards = [
-            _Proc(f"shard{i}", [sys.executable, "-m", "psserver", "--host", args.host, "--port", "0",
-                                "--port-file", str(files[i]), *args.shard_arg], env)
-            for i in range(args.shards)
-        ]
-        procs += shards
-        ports = _wait_ports(shards, files, args.start_timeout)
-        ps = ",".join(f"{args.host}:{p}" for p in ports)
-        log.info("%d shard(s) listening: %s", args.shards, ps)
-        workers = [
-            _Proc(f"worker{i}", [sys.executable, "-m", "psworker", "--ps", ps, "--task", args.task,
-                                 "--worker-index", str(i), "--num-workers", str(args.workers),
-                                 "--progress", "log", "--threads", str(threads), *worker_args], env)
-            for i in range(args.workers)
-        ]
-        procs += workers
-        while not interrupted.is_set():
-            failed = [p for p in procs if p.popen.poll() not in (None, 0)]
-            if failed:
-                for p in failed:
-                    log.error("%s failed with exit status %d; stopping the cluster", p.name, p.popen.returncode)
-                return 1
-            if all(w.popen.poll() == 0 for w in workers):
-                break
-            interrupted.wait(timeout=0.2)
-        else:
+        cluster.start(interrupted)
+        if not cluster.watch(interrupted):
             log.warning("interrupted; stopping the cluster")
             return 130
         seconds = time.monotonic() - started
-        for w in workers:
-            w.join_output()
-        results = [w.result for w in workers]
+        for w in cluster.workers:
+            w.proc.join_output()
+        results = [w.proc.result for w in cluster.workers]
         if any(r is None for r in results):
             log.error("a worker exited without printing its result")
             return 1
         from psworker.training import evaluate_job  # imports torch: only once training is done
 
-        final = evaluate_job(ps, args.task, seed=args.seed)
+        final = evaluate_job(cluster.ps, args.task, seed=args.seed)
+        losses = [r["final_loss"] for r in results if r["final_loss"] is not None]
         summary = {
             "task": args.task,
             "mode": results[0]["mode"],
@@ -174,18 +400,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             "samples": sum(r["samples"] for r in results),
             "seconds": round(seconds, 3),
             "samples_per_second": round(sum(r["samples"] for r in results) / seconds, 1),
-            "final_loss": sum(r["final_loss"] for r in results) / len(results),
+            "final_loss": sum(losses) / len(losses) if losses else None,
             **final,
+            "restarts": [r.record() for r in cluster.recoveries],
             "per_worker": results,
         }
         print(json.dumps(summary), flush=True)
         return 0
+    except KeyboardInterrupt:
+        log.warning("interrupted; stopping the cluster")
+        return 130
     except (RuntimeError, TimeoutError) as exc:
         log.error("%s", exc)
         return 1
     finally:
-        for p in reversed(procs):
-            p.stop()
+        cluster.stop()
         tmp.cleanup()
 
 

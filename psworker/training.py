@@ -150,11 +150,15 @@ def train(config: WorkerConfig) -> dict:
 
     first_step = 1
     if session is not None and session.client.resume_data.get("step", 0) > 0:
-        # A restarted worker: carry on from the progress the shards recorded for it.
+        # A restarted worker: carry on from the progress the shards recorded for it. (pscluster
+        # --restart reads this line, and the one below, as the sign that the worker is back.)
         resume = session.client.resume_data
         first_step = min(total, resume["step"]) + 1
         data.seek(resume["epoch"], resume["position"])
-        log.info("%s resumes at step %d (epoch %d, position %d)", config.name, first_step, resume["epoch"], resume["position"])
+        log.info("%s resumes at step %d of %d (epoch %d, position %d): the progress the shards recorded",
+                 config.name, first_step, total, resume["epoch"], resume["position"])
+    else:
+        log.info("%s starts at step 1 of %d", config.name, total)
     progress = _Progress(config.progress, total, config.log_every, config.name)
     recent: deque[float] = deque(maxlen=20)
     losses: list[float] = []
@@ -206,7 +210,8 @@ def train(config: WorkerConfig) -> dict:
         "samples": samples,
         "seconds": round(seconds, 3),
         "samples_per_second": round(samples / max(seconds, 1e-9), 1),
-        "final_loss": sum(recent) / len(recent),
+        # None when a restarted worker found all its steps done already.
+        "final_loss": sum(recent) / len(recent) if recent else None,
         "rejoins": session.rejoins if session is not None else 0,
         **metrics,
         **({"losses": losses} if config.record_losses else {}),
