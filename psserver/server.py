@@ -12,11 +12,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pswire.v1 import ps_pb2_grpc
 from psserver.checkpoint import CheckpointError
 from psserver.checkpointer import Checkpointer, parse_schedule
 from psserver.config import ServerConfig
-from psserver.servicer import ParameterServerServicer
+from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import ShardStore
 
 __all__ = ["Shard", "create_server"]
@@ -117,7 +116,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
         store, address=address, chunk_bytes=config.chunk_bytes, max_request_bytes=config.max_request_bytes,
         checkpointer=checkpointer,
     )
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.start()

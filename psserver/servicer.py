@@ -4,17 +4,19 @@ status codes (one table), and nothing else."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 
 import grpc
+import torch
 
-from pswire import errors
+from pswire import errors, frames
 from pswire.codec import ChunkAssembler, Part
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psserver.store import Registration, ShardStore
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_from_proto, optimizer_to_proto
 
-__all__ = ["ParameterServerServicer", "STATUS_CODES"]
+__all__ = ["INLINE_LIMIT", "ParameterServerServicer", "STATUS_CODES", "add_to_server"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,63 @@ STATUS_CODES: dict[type[errors.PSError], grpc.StatusCode] = {
     errors.UnavailableError: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineError: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+
+SERVICE = "pswire.v1.ParameterServer"
+
+INLINE_LIMIT = 4 << 20
+"""The most bytes a PullInline answers with; larger shards are pulled as a stream."""
+
+# Chunks skip protobuf both ways (pswire.frames): streamed requests are decoded to views of the
+# received bytes, and a pull's chunks are encoded straight from the variables' memory.
+_REQUEST_DECODERS = {"Push": frames.decoder(ps_pb2.TensorMessage), "Initialize": frames.decoder(ps_pb2.TensorMessage)}
+_RESPONSE_ENCODERS = {"Pull": frames.serialize}
+
+
+def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
+    """Register every method of the service in ``ps.proto`` (what the generated
+    ``add_ParameterServerServicer_to_server`` does), with the chunk codecs above."""
+    handlers = {}
+    for method in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
+        request_type = getattr(ps_pb2, method.input_type.name)
+        response_type = getattr(ps_pb2, method.output_type.name)
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=_REQUEST_DECODERS.get(method.name, request_type.FromString),
+            response_serializer=_RESPONSE_ENCODERS.get(method.name, response_type.SerializeToString),
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+class _Buffers:
+    """Reusable receive buffers, one free list per part. A fresh buffer costs a page fault per
+    4 KiB on first touch, which on a loaded machine made assembling a 64 MiB push slower than
+    the network; a reused one is already mapped. Holds at most one free buffer per concurrent
+    push of each part, so memory stays bounded by the pushes in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[Part, list[torch.Tensor]] = {}
+
+    def take(self, parts: Sequence[Part]) -> list[torch.Tensor]:
+        out = []
+        with self._lock:
+            for part in parts:
+                free = self._free.get(part)
+                out.append(free.pop() if free else None)
+        return [t if t is not None else torch.empty(p.shape, dtype=p.dtype) for t, p in zip(out, parts)]
+
+    def give(self, parts: Sequence[Part], tensors: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            for part, tensor in zip(parts, tensors):
+                self._free.setdefault(part, []).append(tensor)
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
@@ -48,6 +107,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._address = address
         self._chunk_bytes = chunk_bytes
         self._max_request_bytes = max_request_bytes
+        self._buffers = _Buffers()
 
     def Register(self, request: ps_pb2.RegisterRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
         try:
@@ -86,22 +146,32 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, request_iterator: Iterator[ps_pb2.TensorMessage], *, initialize: bool
     ) -> tuple[ps_pb2.TensorHeader, list[Part], list]:
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("kind") != "header":
+        if not isinstance(first, ps_pb2.TensorMessage) or first.WhichOneof("kind") != "header":
             raise errors.InvalidArgumentError("the stream must start with a header")
         header = first.header
-        announced = [Part.from_proto(p) for p in header.parts]
-        parts = self._store.upload_parts(announced, initialize=initialize)
+        parts = self._announced(header, initialize=initialize)
+        # Initial values become the variables; a push's gradients only pass through.
+        buffers = None if initialize else self._buffers.take(parts)
+        try:
+            assembler = ChunkAssembler(parts, buffers)
+            for message in request_iterator:
+                if not isinstance(message, frames.Chunk):
+                    raise errors.InvalidArgumentError("only chunks may follow the header")
+                assembler.add(message)
+            return header, parts, assembler.finish()
+        except BaseException:
+            if buffers is not None:
+                self._buffers.give(parts, buffers)
+            raise
+
+    def _announced(self, header: ps_pb2.TensorHeader, *, initialize: bool) -> list[Part]:
+        parts = self._store.upload_parts([Part.from_proto(p) for p in header.parts], initialize=initialize)
         total = sum(p.nbytes for p in parts)
         if total > self._max_request_bytes:
             raise errors.TooLargeError(
                 f"request carries {total} bytes, above this shard's limit of {self._max_request_bytes}"
             )
-        assembler = ChunkAssembler(parts)
-        for message in request_iterator:
-            if message.WhichOneof("kind") != "chunk":
-                raise errors.InvalidArgumentError("only chunks may follow the header")
-            assembler.add(message.chunk)
-        return header, parts, assembler.finish()
+        return parts
 
     def Initialize(self, request_iterator, context: grpc.ServicerContext) -> ps_pb2.InitializeResponse:
         try:
@@ -115,6 +185,37 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Push(self, request_iterator, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         try:
             header, parts, grads = self._receive(request_iterator, initialize=False)
+        except (errors.PSError, ValueError) as exc:
+            self._store.note_rejected()
+            log.warning("push refused: %s", exc)
+            _abort(context, exc)
+        return self._push(context, header, parts, grads)
+
+    def PushInline(self, request: ps_pb2.InlinePush, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        try:
+            parts = self._announced(request.header, initialize=False)
+            if len(request.data) != len(parts):
+                raise errors.InvalidArgumentError(
+                    f"inline push carries {len(request.data)} tensors for {len(parts)} parts"
+                )
+            buffers = self._buffers.take(parts)
+            try:
+                assembler = ChunkAssembler(parts, buffers)
+                for index, data in enumerate(request.data):
+                    assembler.add(frames.Chunk(index, 0, data))
+                grads = assembler.finish()
+            except BaseException:
+                self._buffers.give(parts, buffers)
+                raise
+        except (errors.PSError, ValueError) as exc:
+            self._store.note_rejected()
+            log.warning("push refused: %s", exc)
+            _abort(context, exc)
+        return self._push(context, request.header, parts, grads)
+
+    def _push(self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list) -> ps_pb2.PushResponse:
+        """Apply an assembled push; its buffers go back to the pool either way."""
+        try:
             result = self._store.apply_push(
                 header.worker_id, header.generation, header.sequence, header.base_version, parts, grads,
                 clock=header.clock, base_clock=header.base_clock,
@@ -125,6 +226,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self._store.note_rejected()
             log.warning("push refused: %s", exc)
             _abort(context, exc)
+        finally:
+            self._buffers.give(parts, grads)
         return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
 
     def Checkpoint(self, request: ps_pb2.CheckpointRequest, context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
@@ -152,33 +255,40 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         return ps_pb2.LeaveResponse()
 
-    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullMessage]:
+    def _snapshot(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext, *, inline: bool):
         remaining = context.time_remaining()
         wait = 30.0 if remaining is None else max(0.0, remaining - 0.05)
         try:
             snapshot = self._store.pull(
-                dict(request.known_versions), chunk_bytes=self._chunk_bytes, timeout=wait,
-                worker_id=request.worker_id, generation=request.generation,
+                dict(request.known_versions), chunk_bytes=INLINE_LIMIT if inline else self._chunk_bytes,
+                timeout=wait, worker_id=request.worker_id, generation=request.generation,
                 clock=request.clock if request.worker_id else -1,
+                encode=None if inline else frames.encode_chunk,
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
-        pulled = snapshot.parts
-        yield ps_pb2.PullMessage(
-            header=ps_pb2.PullHeader(
-                version=snapshot.version,
-                clock=snapshot.clock,
-                parts=[
-                    ps_pb2.PulledPart(spec=p.part.to_proto(), version=p.version, included=p.chunks is not None)
-                    for p in pulled
-                ],
-            )
+        header = ps_pb2.PullHeader(
+            version=snapshot.version,
+            clock=snapshot.clock,
+            parts=[
+                ps_pb2.PulledPart(spec=p.part.to_proto(), version=p.version, included=p.chunks is not None)
+                for p in snapshot.parts
+            ],
         )
-        for index, p in enumerate(pulled):
-            offset = 0
-            for data in p.chunks or ():
-                yield ps_pb2.PullMessage(chunk=ps_pb2.TensorChunk(part_index=index, offset=offset, data=data))
-                offset += len(data)
+        return header, snapshot.parts
+
+    def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullMessage | bytes]:
+        header, pulled = self._snapshot(request, context, inline=False)
+        yield ps_pb2.PullMessage(header=header)
+        for p in pulled:
+            yield from p.chunks or ()  # encoded chunk messages
+
+    def PullInline(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.InlinePull:
+        header, pulled = self._snapshot(request, context, inline=True)
+        data = [b"".join(p.chunks) for p in pulled if p.chunks is not None]
+        if sum(map(len, data)) > INLINE_LIMIT:
+            _abort(context, errors.TooLargeError(f"this shard holds over {INLINE_LIMIT} bytes: use Pull"))
+        return ps_pb2.InlinePull(header=header, data=data)
 
     def Status(self, request: ps_pb2.StatusRequest, context: grpc.ServicerContext) -> ps_pb2.StatusResponse:
         s = self._store.status()

@@ -63,8 +63,13 @@ class PushResult:
 class PulledPart:
     part: Part
     version: int
-    chunks: list[bytes] | None
-    """The part's bytes, cut into chunks; ``None`` when skipped as unchanged."""
+    chunks: list | None
+    """The part's bytes, cut into chunks (as the pull's ``encode`` made them); ``None`` when
+    skipped as unchanged."""
+
+
+def _chunk_bytes(index: int, offset: int, view: memoryview) -> bytes:
+    return bytes(view)
 
 
 @dataclass(frozen=True)
@@ -510,9 +515,12 @@ class ShardStore:
         worker_id: int = 0,
         generation: int = 0,
         clock: int = -1,
+        encode: Callable[[int, int, memoryview], object] | None = None,
     ) -> PullSnapshot:
         """A consistent snapshot of every part, cut into chunks; parts whose version equals
-        ``known_versions[key]`` are skipped.
+        ``known_versions[key]`` are skipped. ``encode(part_index, offset, view)`` turns a chunk
+        into what is sent (a message, straight from the variable's memory: the one copy a pull
+        makes under the lock); by default the chunk's bytes.
 
         Waits up to ``timeout`` for initialisation and, for a registered worker reading at
         ``clock >= 0`` in ssp/sync, until the consistency bound lets it read. Such a training
@@ -539,12 +547,13 @@ class ShardStore:
                     self._wait_for_bound(job.consistency, reader, clock, deadline)
                     self._check_worker(worker_id, generation)  # it may have been evicted meanwhile
             out = []
-            for key, slot in self._slots.items():
+            cut = encode or _chunk_bytes
+            for index, (key, slot) in enumerate(self._slots.items()):
                 if known_versions.get(key) == slot.version:
                     out.append(PulledPart(slot.part, slot.version, None))
                     continue
                 view = tensor_bytes(slot.value)
-                chunks = [bytes(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
+                chunks = [cut(index, i, view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
                 out.append(PulledPart(slot.part, slot.version, chunks))
             self._pulls_served += 1
             return PullSnapshot(self._version, self._current_clock(), out)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from pswire import errors
+from pswire import errors, frames
 from pswire.consistency import Consistency, Mode
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, Part, iter_chunks, tensor_bytes
+from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, Part, tensor_bytes
 from pswire.optim import OptimizerConfig
 from pswire.placement import Placement, VariableSpec, place
 from pswire.v1 import ps_pb2, ps_pb2_grpc
@@ -84,12 +84,18 @@ class ClientOptions:
     """Seconds a pull may wait on the staleness bound (ssp/sync) before failing."""
     retry_timeout: float = 120.0
     """Seconds a push or pull keeps retrying an unreachable shard (e.g. one being restarted)."""
+    inline_bytes: int = 256 << 10
+    """Pushes and pulls of at most this many bytes to one shard go in a single message
+    (PushInline / PullInline) instead of a stream, which costs a round of thread hand-offs
+    per call; 0 always streams."""
 
     def __post_init__(self) -> None:
         if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout) <= 0:
             raise ValueError("timeouts and min_bandwidth must be > 0")
         if not 1024 <= self.chunk_bytes < (4 << 20):
             raise ValueError("chunk_bytes must be between 1 KiB and 4 MiB")
+        if not 0 <= self.inline_bytes <= (4 << 20):
+            raise ValueError("inline_bytes must be between 0 and 4 MiB")
 
     def deadline(self, nbytes: int) -> float:
         return self.timeout + nbytes / self.min_bandwidth
@@ -138,6 +144,20 @@ class ShardClient:
             ],
         )
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        # The bulk methods with the chunk codecs of pswire.frames (the same bytes on the wire).
+        path = f"/{SERVICE}/"
+        self._push_stream = self._channel.stream_unary(
+            path + "Push", request_serializer=frames.serialize,
+            response_deserializer=ps_pb2.PushResponse.FromString, _registered_method=True,
+        )
+        self._initialize_stream = self._channel.stream_unary(
+            path + "Initialize", request_serializer=frames.serialize,
+            response_deserializer=ps_pb2.InitializeResponse.FromString, _registered_method=True,
+        )
+        self._pull_stream = self._channel.unary_stream(
+            path + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
+            response_deserializer=frames.decoder(ps_pb2.PullMessage), _registered_method=True,
+        )
 
     def wait_connected(self, timeout: float) -> None:
         try:
@@ -164,18 +184,23 @@ class ShardClient:
 
     def _stream(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]
-    ) -> Iterator[ps_pb2.TensorMessage]:
+    ) -> Iterator[ps_pb2.TensorMessage | bytes]:
         yield ps_pb2.TensorMessage(header=header)
-        for chunk in iter_chunks(buffers, self.options.chunk_bytes):
-            yield ps_pb2.TensorMessage(chunk=chunk)
+        step = self.options.chunk_bytes
+        for index, buf in enumerate(buffers):
+            for offset in range(0, len(buf), step):
+                yield frames.encode_chunk(index, offset, buf[offset : offset + step])
 
     def initialize(self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]) -> ps_pb2.InitializeResponse:
         nbytes = sum(len(b) for b in buffers)
-        return self._call(self._stub.Initialize, self._stream(header, buffers), nbytes=nbytes)
+        return self._call(self._initialize_stream, self._stream(header, buffers), nbytes=nbytes)
 
     def push(self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]) -> ps_pb2.PushResponse:
         nbytes = sum(len(b) for b in buffers)
-        return self._call(self._stub.Push, self._stream(header, buffers), nbytes=nbytes)
+        if nbytes <= self.options.inline_bytes:
+            request = ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers])
+            return self._call(self._stub.PushInline, request, nbytes=nbytes)
+        return self._call(self._push_stream, self._stream(header, buffers), nbytes=nbytes)
 
     def leave(self, request: ps_pb2.LeaveRequest) -> None:
         self._call(self._stub.Leave, request)
@@ -196,12 +221,16 @@ class ShardClient:
         shard may hold the pull on the consistency bound, so the deadline allows for that."""
         timeout = self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)
         try:
-            stream = self._stub.Pull(request, timeout=timeout, wait_for_ready=True)
-            first = next(stream, None)
-            if first is None or first.WhichOneof("kind") != "header":
-                raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
-            header = first.header
-            # Skipped parts send no chunks: map the header's part indices to the included ones.
+            if nbytes <= self.options.inline_bytes:
+                reply = self._stub.PullInline(request, timeout=timeout, wait_for_ready=True)
+                header, chunks = reply.header, None
+            else:
+                stream = self._pull_stream(request, timeout=timeout, wait_for_ready=True)
+                first = next(stream, None)
+                if not isinstance(first, ps_pb2.PullMessage) or first.WhichOneof("kind") != "header":
+                    raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
+                header, chunks = first.header, stream
+            # Skipped parts send no bytes: map the header's part indices to the included ones.
             included: dict[int, int] = {}
             parts, dests, versions = [], [], {}
             for index, pulled in enumerate(header.parts):
@@ -217,12 +246,16 @@ class ShardClient:
                     dests.append(destinations[part.key])
                     versions[part.key] = pulled.version
             assembler = ChunkAssembler(parts, dests)
-            for message in stream:
-                chunk = message.chunk
-                if chunk.part_index not in included:
-                    raise errors.PSError(f"shard {self.address} sent bytes of part {chunk.part_index}, not in its header")
-                chunk.part_index = included[chunk.part_index]
-                assembler.add(chunk)
+            if chunks is None:
+                if len(reply.data) != len(parts):
+                    raise errors.PSError(f"shard {self.address} sent {len(reply.data)} tensors for {len(parts)} parts")
+                for index, data in enumerate(reply.data):
+                    assembler.add(frames.Chunk(index, 0, data))
+            else:
+                for chunk in chunks:
+                    if not isinstance(chunk, frames.Chunk) or chunk.part_index not in included:
+                        raise errors.PSError(f"shard {self.address} sent a chunk of a part not in its header")
+                    assembler.add(frames.Chunk(included[chunk.part_index], chunk.offset, chunk.data))
             assembler.finish()
             return header, versions
         except grpc.RpcError as exc:

@@ -170,6 +170,14 @@ class TensorMessage(_message.Message):
     chunk: TensorChunk
     def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
+class InlinePush(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: TensorHeader
+    data: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class InitializeResponse(_message.Message):
     __slots__ = ("applied", "version")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -376,3 +384,11 @@ class StatusResponse(_message.Message):
     last_checkpoint_path: str
     checkpoint_dir: str
     def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+
+class InlinePull(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    data: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...

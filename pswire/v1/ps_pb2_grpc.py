@@ -54,6 +54,16 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
                 response_deserializer=pswire_dot_v1_dot_ps__pb2.PullMessage.FromString,
                 _registered_method=True)
+        self.PushInline = channel.unary_unary(
+                '/pswire.v1.ParameterServer/PushInline',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.InlinePush.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.PullInline = channel.unary_unary(
+                '/pswire.v1.ParameterServer/PullInline',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.InlinePull.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/pswire.v1.ParameterServer/Leave',
                 request_serializer=pswire_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
@@ -107,6 +117,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushInline(self, request, context):
+        """Push and Pull for small payloads, tensors inline in one message: the same semantics without
+        a stream's per-call cost. Clients use them below a size they choose (at most 4 MiB a call).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullInline(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Leave the job cleanly: the worker stops counting for SSP/sync membership at once.
         """
@@ -156,6 +180,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=pswire_dot_v1_dot_ps__pb2.PullRequest.FromString,
                     response_serializer=pswire_dot_v1_dot_ps__pb2.PullMessage.SerializeToString,
+            ),
+            'PushInline': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushInline,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.InlinePush.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'PullInline': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullInline,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.PullRequest.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.InlinePull.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -286,6 +320,60 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Pull',
             pswire_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
             pswire_dot_v1_dot_ps__pb2.PullMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushInline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/PushInline',
+            pswire_dot_v1_dot_ps__pb2.InlinePush.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullInline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/PullInline',
+            pswire_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.InlinePull.FromString,
             options,
             channel_credentials,
             insecure,
