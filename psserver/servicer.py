@@ -213,6 +213,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         return self._push(context, request.header, parts, grads)
 
+    def PushPull(self, request: ps_pb2.PushPullRequest, context: grpc.ServicerContext) -> ps_pb2.PushPullResponse:
+        pushed = self.PushInline(request.push, context)
+        return ps_pb2.PushPullResponse(push=pushed, pull=self.PullInline(request.pull, context))
+
     def _push(self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list) -> ps_pb2.PushResponse:
         """Apply an assembled push; its buffers go back to the pool either way."""
         try:

@@ -133,8 +133,11 @@ class Session:
     def pull(self, *, wait: bool = True) -> None:
         """Load the shards' current weights into the model's parameters, in place. In ssp/sync
         this waits as the bound requires; ``wait=False`` reads at once (e.g. to evaluate)."""
+        self.client.pull(self._staging, wait=wait)
+        self._load_staged()
+
+    def _load_staged(self) -> None:
         with torch.no_grad():
-            self.client.pull(self._staging, wait=wait)
             for name, param in self._params.items():
                 staged = self._staging[name]
                 if staged.data_ptr() != param.data_ptr():
@@ -145,6 +148,15 @@ class Session:
     def push(self) -> None:
         """Push the parameters' gradients; parameters without a gradient are left out, as
         ``torch.optim`` skips them. Raises ``InvalidArgumentError`` if a gradient is not finite."""
+        self.client.push(self._gradients(), data=self.progress)
+
+    def push_pull(self) -> None:
+        """A training step's traffic: push the gradients, then load the updated weights (one
+        call per shard when both are small; see ``PSClient.push_pull``)."""
+        self.client.push_pull(self._gradients(), self._staging, data=self.progress)
+        self._load_staged()
+
+    def _gradients(self) -> dict[str, torch.Tensor]:
         grads = {}
         with torch.no_grad():
             for name, param in self._params.items():
@@ -159,7 +171,7 @@ class Session:
                 grads[name] = grad
         if not grads:
             raise errors.InvalidArgumentError("no parameter has a gradient: call backward() before step()")
-        self.client.push(grads, data=self.progress)
+        return grads
 
     def status(self):
         return self.client.status()
@@ -204,8 +216,7 @@ class DistributedOptimizer:
         try:
             if self.session.client.fenced.is_set():
                 raise errors.FencedError("a heartbeat was refused: this worker was evicted")
-            self.session.push()
-            self.session.pull()
+            self.session.push_pull()
         except errors.FencedError as exc:
             # The shards fenced this worker off (it was evicted, e.g. after a partition, or a
             # shard restored from a checkpoint): a gradient computed for a registration that no

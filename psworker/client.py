@@ -219,47 +219,73 @@ class ShardClient:
         """Stream a snapshot into ``destinations`` (part key -> tensor of the part's shape).
         Returns the snapshot's header and the version of every part written. ``may_wait``: the
         shard may hold the pull on the consistency bound, so the deadline allows for that."""
-        timeout = self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)
+        timeout = self._pull_deadline(nbytes, may_wait)
         try:
             if nbytes <= self.options.inline_bytes:
                 reply = self._stub.PullInline(request, timeout=timeout, wait_for_ready=True)
-                header, chunks = reply.header, None
-            else:
-                stream = self._pull_stream(request, timeout=timeout, wait_for_ready=True)
-                first = next(stream, None)
-                if not isinstance(first, ps_pb2.PullMessage) or first.WhichOneof("kind") != "header":
-                    raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
-                header, chunks = first.header, stream
-            # Skipped parts send no bytes: map the header's part indices to the included ones.
-            included: dict[int, int] = {}
-            parts, dests, versions = [], [], {}
-            for index, pulled in enumerate(header.parts):
-                part = Part.from_proto(pulled.spec)
-                if part.key not in destinations:
-                    raise errors.PreconditionError(
-                        f"shard {self.address} holds {part.key!r}, which this worker's placement "
-                        "does not put there"
-                    )
-                if pulled.included:
-                    included[index] = len(parts)
-                    parts.append(part)
-                    dests.append(destinations[part.key])
-                    versions[part.key] = pulled.version
-            assembler = ChunkAssembler(parts, dests)
-            if chunks is None:
-                if len(reply.data) != len(parts):
-                    raise errors.PSError(f"shard {self.address} sent {len(reply.data)} tensors for {len(parts)} parts")
-                for index, data in enumerate(reply.data):
-                    assembler.add(frames.Chunk(index, 0, data))
-            else:
-                for chunk in chunks:
-                    if not isinstance(chunk, frames.Chunk) or chunk.part_index not in included:
-                        raise errors.PSError(f"shard {self.address} sent a chunk of a part not in its header")
-                    assembler.add(frames.Chunk(included[chunk.part_index], chunk.offset, chunk.data))
+                return self._write_inline(reply, destinations)
+            stream = self._pull_stream(request, timeout=timeout, wait_for_ready=True)
+            first = next(stream, None)
+            if not isinstance(first, ps_pb2.PullMessage) or first.WhichOneof("kind") != "header":
+                raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
+            assembler, included, versions = self._receiver(first.header, destinations)
+            for chunk in stream:
+                if not isinstance(chunk, frames.Chunk) or chunk.part_index not in included:
+                    raise errors.PSError(f"shard {self.address} sent a chunk of a part not in its header")
+                assembler.add(frames.Chunk(included[chunk.part_index], chunk.offset, chunk.data))
             assembler.finish()
-            return header, versions
+            return first.header, versions
         except grpc.RpcError as exc:
             raise _translate(exc, self.address) from exc
+
+    def push_pull(
+        self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest,
+        destinations: Mapping[str, torch.Tensor], nbytes: int, *, may_wait: bool = False,
+    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int]]:
+        """A small push and the pull after it in one call (both within ``inline_bytes``)."""
+        pushed = sum(len(b) for b in buffers)
+        call = ps_pb2.PushPullRequest(
+            push=ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers]), pull=request
+        )
+        try:
+            reply = self._stub.PushPull(call, timeout=self._pull_deadline(nbytes + pushed, may_wait), wait_for_ready=True)
+            return (reply.push, *self._write_inline(reply.pull, destinations))
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.address) from exc
+
+    def _pull_deadline(self, nbytes: int, may_wait: bool) -> float:
+        return self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)
+
+    def _receiver(
+        self, header: ps_pb2.PullHeader, destinations: Mapping[str, torch.Tensor]
+    ) -> tuple[ChunkAssembler, dict[int, int], dict[str, int]]:
+        """An assembler writing the parts the header includes into ``destinations``, the map of
+        header part indices to the included ones (skipped parts send no bytes), and versions."""
+        included: dict[int, int] = {}
+        parts, dests, versions = [], [], {}
+        for index, pulled in enumerate(header.parts):
+            part = Part.from_proto(pulled.spec)
+            if part.key not in destinations:
+                raise errors.PreconditionError(
+                    f"shard {self.address} holds {part.key!r}, which this worker's placement does not put there"
+                )
+            if pulled.included:
+                included[index] = len(parts)
+                parts.append(part)
+                dests.append(destinations[part.key])
+                versions[part.key] = pulled.version
+        return ChunkAssembler(parts, dests), included, versions
+
+    def _write_inline(
+        self, reply: ps_pb2.InlinePull, destinations: Mapping[str, torch.Tensor]
+    ) -> tuple[ps_pb2.PullHeader, dict[str, int]]:
+        assembler, included, versions = self._receiver(reply.header, destinations)
+        if len(reply.data) != len(included):
+            raise errors.PSError(f"shard {self.address} sent {len(reply.data)} tensors for {len(included)} parts")
+        for index, data in enumerate(reply.data):
+            assembler.add(frames.Chunk(index, 0, data))
+        assembler.finish()
+        return reply.header, versions
 
     def close(self) -> None:
         self._channel.close()
@@ -407,6 +433,41 @@ class PSClient:
             clock=session.clock, base_clock=session.base_clock,
         )
 
+    def _pull_request(
+        self, session: _ShardSession, destinations: Mapping[str, torch.Tensor], *, skip_unchanged: bool,
+        may_wait: bool, clock: int,
+    ) -> tuple[ps_pb2.PullRequest, dict[str, torch.Tensor], int]:
+        dest = {p.key: _rows(destinations[p.name], p) for p in session.parts}
+        known = {}
+        if skip_unchanged:
+            for key, (version, ptr) in session.known.items():
+                if dest[key].data_ptr() == ptr:
+                    known[key] = version
+        request = ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
+                                     known_versions=known, clock=clock if may_wait else -1)
+        return request, dest, sum(p.nbytes for p in session.parts)
+
+    @staticmethod
+    def _pulled(session: _ShardSession, header: ps_pb2.PullHeader, written: Mapping[str, int], dest) -> int:
+        for key, part_version in written.items():
+            session.known[key] = (part_version, dest[key].data_ptr())
+        session.version, session.base_clock = header.version, header.clock
+        return header.version
+
+    def _push_message(
+        self, session: _ShardSession, grads: Mapping[str, torch.Tensor], data: Mapping[str, int] | None
+    ) -> tuple[ps_pb2.TensorHeader, list[memoryview]] | None:
+        """The next push to ``session`` (None when it holds none of ``grads`` and, in async,
+        needs no clock tick); takes the next sequence number."""
+        parts = [p for p in session.parts if p.name in grads]
+        if not parts and self.consistency.mode is Mode.ASYNC:
+            return None
+        session.sequence += 1
+        header = self._header(session, session.version, parts)
+        if data:
+            header.data.CopyFrom(ps_pb2.DataPosition(**data))
+        return header, [tensor_bytes(_rows(grads[p.name], p)) for p in parts]
+
     def pull(
         self, destinations: Mapping[str, torch.Tensor], *, skip_unchanged: bool = True, wait: bool = True
     ) -> list[int]:
@@ -419,27 +480,22 @@ class PSClient:
         may_wait = wait and self.consistency.mode is not Mode.ASYNC
 
         def one(session: _ShardSession) -> int:
-            dest = {p.key: _rows(destinations[p.name], p) for p in session.parts}
-            known = {}
-            if skip_unchanged:
-                for key, (version, ptr) in session.known.items():
-                    if dest[key].data_ptr() == ptr:
-                        known[key] = version
-            nbytes = sum(p.nbytes for p in session.parts)
-            request = ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
-                                         known_versions=known, clock=session.clock if may_wait else -1)
+            request, dest, nbytes = self._pull_request(
+                session, destinations, skip_unchanged=skip_unchanged, may_wait=may_wait, clock=session.clock
+            )
             header, written = _retrying(
                 lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait),
                 self.options, session.client.address, "pull",
             )
-            for key, part_version in written.items():
-                session.known[key] = (part_version, dest[key].data_ptr())
-            session.version, session.base_clock = header.version, header.clock
-            return header.version
+            return self._pulled(session, header, written, dest)
 
+        return self._fan_out_waiting(one, sessions, may_wait)
+
+    def _fan_out_waiting(self, fn, sessions: list[_ShardSession], may_wait: bool) -> list:
+        """``_fan_out``, logging every few seconds which worker a waiting call is held back by."""
         if not may_wait:
-            return self._fan_out(one, sessions)
-        futs = {self._pool.submit(one, s): s for s in sessions}
+            return self._fan_out(fn, sessions)
+        futs = {self._pool.submit(fn, s): s for s in sessions}
         _, pending = futures.wait(futs, timeout=0.5)
         while pending:
             for fut in pending:
@@ -470,23 +526,54 @@ class PSClient:
         are skipped (``None`` in the result); in ssp/sync they get an empty push, which advances
         this worker's clock there."""
         sessions = self._require_sessions()
-        tick_all = self.consistency.mode is not Mode.ASYNC
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
-            parts = [p for p in session.parts if p.name in grads]
-            if not parts and not tick_all:
+            message = self._push_message(session, grads, data)
+            if message is None:
                 return None
-            session.sequence += 1
-            header = self._header(session, session.version, parts)
-            if data:
-                header.data.CopyFrom(ps_pb2.DataPosition(**data))
-            buffers = [tensor_bytes(_rows(grads[p.name], p)) for p in parts]
-            reply = _retrying(lambda: session.client.push(header, buffers), self.options,
-                              session.client.address, "push")
+            reply = _retrying(lambda: session.client.push(*message), self.options, session.client.address, "push")
             session.clock += 1
             return reply
 
         return self._fan_out(one, sessions)
+
+    def push_pull(
+        self, grads: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor], *,
+        data: Mapping[str, int] | None = None,
+    ) -> list[ps_pb2.PushResponse | None]:
+        """One training step's traffic: :meth:`push`, then :meth:`pull` into ``destinations``
+        (waiting on the bound in ssp/sync). A shard whose push and pull both fit in
+        ``inline_bytes`` gets them as one call; the others as two. A retried call repeats the
+        push's sequence number, so the shard applies it once."""
+        sessions = self._require_sessions()
+        may_wait = self.consistency.mode is not Mode.ASYNC
+        limit = self.options.inline_bytes
+
+        def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
+            message = self._push_message(session, grads, data)
+            request, dest, nbytes = self._pull_request(
+                session, destinations, skip_unchanged=True, may_wait=may_wait, clock=session.clock + 1
+            )
+            address = session.client.address
+            if message is not None and nbytes <= limit and sum(len(b) for b in message[1]) <= limit:
+                reply, header, written = _retrying(
+                    lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait),
+                    self.options, address, "push and pull",
+                )
+                session.clock += 1
+            else:
+                reply = None
+                if message is not None:
+                    reply = _retrying(lambda: session.client.push(*message), self.options, address, "push")
+                    session.clock += 1
+                request.clock = session.clock if may_wait else -1
+                header, written = _retrying(
+                    lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
+                )
+            self._pulled(session, header, written, dest)
+            return reply
+
+        return self._fan_out_waiting(one, sessions, may_wait)
 
     def leave(self) -> None:
         """Leave the job on every shard (SSP/sync membership shrinks at once). Best effort:

@@ -392,3 +392,19 @@ class InlinePull(_message.Message):
     header: PullHeader
     data: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PushPullRequest(_message.Message):
+    __slots__ = ("push", "pull")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    push: InlinePush
+    pull: PullRequest
+    def __init__(self, push: _Optional[_Union[InlinePush, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
+
+class PushPullResponse(_message.Message):
+    __slots__ = ("push", "pull")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    push: PushResponse
+    pull: InlinePull
+    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., pull: _Optional[_Union[InlinePull, _Mapping]] = ...) -> None: ...

@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
                 response_deserializer=pswire_dot_v1_dot_ps__pb2.InlinePull.FromString,
                 _registered_method=True)
+        self.PushPull = channel.unary_unary(
+                '/pswire.v1.ParameterServer/PushPull',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.PushPullRequest.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.PushPullResponse.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/pswire.v1.ParameterServer/Leave',
                 request_serializer=pswire_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
@@ -131,6 +136,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPull(self, request, context):
+        """A training step's two calls in one round trip: PushInline, then PullInline (which waits on
+        the consistency bound as a pull does). A worker's small steps cost one call per shard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Leave the job cleanly: the worker stops counting for SSP/sync membership at once.
         """
@@ -190,6 +203,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PullInline,
                     request_deserializer=pswire_dot_v1_dot_ps__pb2.PullRequest.FromString,
                     response_serializer=pswire_dot_v1_dot_ps__pb2.InlinePull.SerializeToString,
+            ),
+            'PushPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.PushPullRequest.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.PushPullResponse.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -374,6 +392,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/PullInline',
             pswire_dot_v1_dot_ps__pb2.PullRequest.SerializeToString,
             pswire_dot_v1_dot_ps__pb2.InlinePull.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/PushPull',
+            pswire_dot_v1_dot_ps__pb2.PushPullRequest.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.PushPullResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -335,8 +335,9 @@ def test_health_service_reports_serving(shard):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_psclient_happy_path(shard):
-    options = ClientOptions(timeout=RPC_TIMEOUT, connect_timeout=RPC_TIMEOUT)
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 20], ids=["streams", "single-messages"])
+def test_psclient_happy_path(shard, inline_bytes):
+    options = ClientOptions(timeout=RPC_TIMEOUT, connect_timeout=RPC_TIMEOUT, inline_bytes=inline_bytes)
     with PSClient([shard.address], options) as first, PSClient([shard.address], options) as second:
         first.wait_connected()
         assert first.register(SPEC, SGD, worker_name="worker-0", job_fingerprint=JOB,
@@ -354,8 +355,13 @@ def test_psclient_happy_path(shard):
 
         assert first.pull(dest) == [2]
         assert raw(dest) == raw(sgd_step(sgd_step(INITIAL, GRADS), GRADS))
+
+        # A training step's push and pull together: one call per shard when both fit inline.
+        (reply,) = first.push_pull(GRADS, dest)
+        assert (reply.version, reply.staleness) == (3, 0)
+        assert raw(dest) == raw(sgd_step(sgd_step(sgd_step(INITIAL, GRADS), GRADS), GRADS))
         (st,) = first.status()
-        assert (st.version, st.pushes_applied, st.max_staleness) == (2, 2, 1)
+        assert (st.version, st.pushes_applied, st.max_staleness) == (3, 3, 1)
 
 
 def test_large_parts_move_in_chunks_and_split_across_two_shards(make_shard, open_stub):
@@ -984,3 +990,58 @@ def test_initialize_is_served_while_pulls_wait_for_it(make_shard, open_stub):
     # The admitted pull gets the values; the other was refused or arrived after initialisation.
     assert outcomes.count(True) >= 1 and set(outcomes) <= {True, "refused"}
     assert pull(stub).data == raw(INITIAL)
+
+
+# -- the single-message paths: PushInline, PullInline, PushPull --------------------------------
+
+
+def inline_push(worker: Worker, tensors: Mapping[str, torch.Tensor], *, base_version: int, sequence: int = 0):
+    head = header(worker, [PART[k].to_proto() for k in tensors], base_version=base_version, sequence=sequence).header
+    return ps_pb2.InlinePush(header=head, data=list(raw(tensors).values()))
+
+
+def test_inline_calls_match_the_streamed_ones(ready):
+    streamed = pull(ready.stub)
+    inline = ready.stub.PullInline(ps_pb2.PullRequest(), timeout=RPC_TIMEOUT)
+    assert [Part.from_proto(p.spec).key for p in inline.header.parts] == list(streamed.data)
+    assert list(inline.data) == list(streamed.data.values())
+
+    reply = ready.stub.PushInline(inline_push(ready.worker, GRADS, base_version=1), timeout=RPC_TIMEOUT)
+    assert (reply.version, reply.staleness) == (2, 0)
+    assert pull(ready.stub).data == raw(sgd_step(ready.values, GRADS))
+
+
+def test_push_pull_applies_once_and_returns_the_values_after_the_push(ready):
+    call = ps_pb2.PushPullRequest(
+        push=inline_push(ready.worker, GRADS, base_version=1, sequence=1),
+        pull=ps_pb2.PullRequest(worker_id=ready.worker.worker_id, generation=ready.worker.generation,
+                                known_versions={"scale": 1}, clock=-1),
+    )
+    expected = raw(sgd_step(ready.values, GRADS))
+    first = ready.stub.PushPull(call, timeout=RPC_TIMEOUT)
+    again = ready.stub.PushPull(call, timeout=RPC_TIMEOUT)  # a retry: acknowledged, not re-applied
+    for reply in (first, again):
+        assert (reply.push.version, reply.pull.header.version) == (2, 2)
+        included = [Part.from_proto(p.spec).key for p in reply.pull.header.parts if p.included]
+        assert included == ["w", "b", "scale"] and list(reply.pull.data) == [expected[k] for k in included]
+    assert (status(ready.stub).pushes_applied, pull(ready.stub).data) == (2, expected)
+
+
+BAD_INLINE_PUSHES = {
+    "a-tensor-missing": (lambda w: ps_pb2.InlinePush(
+        header=inline_push(w, GRADS, base_version=1).header, data=list(raw(GRADS).values())[:2]), ("2 tensors for 3 parts",)),
+    "short-bytes": (lambda w: ps_pb2.InlinePush(
+        header=inline_push(w, GRADS, base_version=1).header, data=[b"\0" * 4, *list(raw(GRADS).values())[1:]]),
+        ("byte length of 'w' is 4", "expected 32")),
+    "nan": (lambda w: inline_push(w, {**GRADS, "b": torch.tensor([1.0, float("nan"), 0.0])}, base_version=1),
+            ("'b'", "NaN")),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INLINE_PUSHES))
+def test_bad_inline_push_is_invalid_argument_and_changes_nothing(ready, case):
+    build, needles = BAD_INLINE_PUSHES[case]
+    before, before_status = pull(ready.stub), status(ready.stub)
+    expect_rpc_error(lambda: ready.stub.PushInline(build(ready.worker), timeout=RPC_TIMEOUT),
+                     grpc.StatusCode.INVALID_ARGUMENT, *needles)
+    assert_unchanged_and_serving(ready, before, before_status, rejected=1)
