@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
 import torch
 
 from pswire import errors, frames
-from pswire.codec import ChunkAssembler, Part
+from pswire.codec import ChunkAssembler, Part, on_wire, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psserver.store import Registration, ShardStore
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_from_proto, optimizer_to_proto
@@ -149,29 +149,49 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not isinstance(first, ps_pb2.TensorMessage) or first.WhichOneof("kind") != "header":
             raise errors.InvalidArgumentError("the stream must start with a header")
         header = first.header
-        parts = self._announced(header, initialize=initialize)
-        # Initial values become the variables; a push's gradients only pass through.
-        buffers = None if initialize else self._buffers.take(parts)
-        try:
-            assembler = ChunkAssembler(parts, buffers)
+
+        def chunks() -> Iterator[frames.Chunk]:
             for message in request_iterator:
                 if not isinstance(message, frames.Chunk):
                     raise errors.InvalidArgumentError("only chunks may follow the header")
-                assembler.add(message)
-            return header, parts, assembler.finish()
-        except BaseException:
-            if buffers is not None:
-                self._buffers.give(parts, buffers)
-            raise
+                yield message
 
-    def _announced(self, header: ps_pb2.TensorHeader, *, initialize: bool) -> list[Part]:
+        parts, values = self._assemble(header, chunks(), initialize=initialize)
+        return header, parts, values
+
+    def _assemble(
+        self, header: ps_pb2.TensorHeader, chunks: Iterable[frames.Chunk], *, initialize: bool
+    ) -> tuple[list[Part], list[torch.Tensor]]:
+        """Validate the header's parts, then copy the chunks into place. A push's gradients land
+        in pooled buffers (given back by ``_push``) and, when compressed, are widened to the
+        variables' dtypes; initial values become the variables, so they get buffers of their own."""
         parts = self._store.upload_parts([Part.from_proto(p) for p in header.parts], initialize=initialize)
-        total = sum(p.nbytes for p in parts)
+        wire = wire_dtype_from_proto(header.wire_dtype)
+        if wire is not None and initialize:
+            raise errors.InvalidArgumentError("initial values must be sent in their own dtypes, not compressed")
+        sent = [on_wire(p, wire) for p in parts]
+        total = sum(p.nbytes for p in sent)
         if total > self._max_request_bytes:
             raise errors.TooLargeError(
                 f"request carries {total} bytes, above this shard's limit of {self._max_request_bytes}"
             )
-        return parts
+        buffers = None if initialize else self._buffers.take(sent)
+        try:
+            assembler = ChunkAssembler(sent, buffers)
+            for chunk in chunks:
+                assembler.add(chunk)
+            received = assembler.finish()
+        except BaseException:
+            if buffers is not None:
+                self._buffers.give(sent, buffers)
+            raise
+        if sent == parts:
+            return parts, received
+        widened = self._buffers.take(parts)
+        for full, narrow in zip(widened, received):
+            full.copy_(narrow)
+        self._buffers.give(sent, received)
+        return parts, widened
 
     def Initialize(self, request_iterator, context: grpc.ServicerContext) -> ps_pb2.InitializeResponse:
         try:
@@ -193,20 +213,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def PushInline(self, request: ps_pb2.InlinePush, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         try:
-            parts = self._announced(request.header, initialize=False)
-            if len(request.data) != len(parts):
+            if len(request.data) != len(request.header.parts):
                 raise errors.InvalidArgumentError(
-                    f"inline push carries {len(request.data)} tensors for {len(parts)} parts"
+                    f"inline push carries {len(request.data)} tensors for {len(request.header.parts)} parts"
                 )
-            buffers = self._buffers.take(parts)
-            try:
-                assembler = ChunkAssembler(parts, buffers)
-                for index, data in enumerate(request.data):
-                    assembler.add(frames.Chunk(index, 0, data))
-                grads = assembler.finish()
-            except BaseException:
-                self._buffers.give(parts, buffers)
-                raise
+            chunks = (frames.Chunk(index, 0, data) for index, data in enumerate(request.data))
+            parts, grads = self._assemble(request.header, chunks, initialize=False)
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()
             log.warning("push refused: %s", exc)
@@ -263,17 +275,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         remaining = context.time_remaining()
         wait = 30.0 if remaining is None else max(0.0, remaining - 0.05)
         try:
+            wire = wire_dtype_from_proto(request.wire_dtype)
             snapshot = self._store.pull(
                 dict(request.known_versions), chunk_bytes=INLINE_LIMIT if inline else self._chunk_bytes,
                 timeout=wait, worker_id=request.worker_id, generation=request.generation,
                 clock=request.clock if request.worker_id else -1,
-                encode=None if inline else frames.encode_chunk,
+                encode=None if inline else frames.encode_chunk, wire_dtype=wire,
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
         header = ps_pb2.PullHeader(
             version=snapshot.version,
             clock=snapshot.clock,
+            wire_dtype=request.wire_dtype,
             parts=[
                 ps_pb2.PulledPart(spec=p.part.to_proto(), version=p.version, included=p.chunks is not None)
                 for p in snapshot.parts

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pswire.codec import Part, dtype_name, tensor_bytes
+from pswire.codec import Part, dtype_name, on_wire, tensor_bytes
 from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from psserver import consistency as cons
 from psserver import snapshot
@@ -516,11 +516,13 @@ class ShardStore:
         generation: int = 0,
         clock: int = -1,
         encode: Callable[[int, int, memoryview], object] | None = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> PullSnapshot:
         """A consistent snapshot of every part, cut into chunks; parts whose version equals
         ``known_versions[key]`` are skipped. ``encode(part_index, offset, view)`` turns a chunk
         into what is sent (a message, straight from the variable's memory: the one copy a pull
-        makes under the lock); by default the chunk's bytes.
+        makes under the lock); by default the chunk's bytes. ``wire_dtype`` (float16/bfloat16):
+        floating-point parts are sent converted to it.
 
         Waits up to ``timeout`` for initialisation and, for a registered worker reading at
         ``clock >= 0`` in ssp/sync, until the consistency bound lets it read. Such a training
@@ -552,7 +554,10 @@ class ShardStore:
                 if known_versions.get(key) == slot.version:
                     out.append(PulledPart(slot.part, slot.version, None))
                     continue
-                view = tensor_bytes(slot.value)
+                value = slot.value
+                if on_wire(slot.part, wire_dtype) is not slot.part:
+                    value = value.to(wire_dtype)  # the snapshot copy, converted on the way
+                view = tensor_bytes(value)
                 chunks = [cut(index, i, view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
                 out.append(PulledPart(slot.part, slot.version, chunks))
             self._pulls_served += 1

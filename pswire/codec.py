@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,3 +227,25 @@ class ChunkAssembler:
                     f"byte length of {part.key!r} is {got}, expected {part.nbytes} ({part.describe()})"
                 )
         return self._tensors
+
+
+WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""Wire compression settings (``--wire-dtype``): the dtypes floating-point parts may travel in."""
+
+
+def wire_dtype_from_proto(value: int) -> torch.dtype | None:
+    """The compression a header or request asks for: None for the parts' own dtypes. Raises
+    ``InvalidArgumentError`` for anything but FLOAT16 or BFLOAT16."""
+    if value == ps_pb2.DTYPE_UNSPECIFIED:
+        return None
+    dtype = dtype_from_wire(value)
+    if dtype not in WIRE_DTYPES.values():
+        raise InvalidArgumentError(f"wire dtype must be float16 or bfloat16, got {dtype_name(dtype)}")
+    return dtype
+
+
+def on_wire(part: Part, wire_dtype: torch.dtype | None) -> Part:
+    """``part`` as its bytes travel: in ``wire_dtype`` when it is floating point (and wider)."""
+    if wire_dtype is None or not part.dtype.is_floating_point or part.dtype.itemsize <= wire_dtype.itemsize:
+        return part
+    return dataclasses.replace(part, dtype=wire_dtype)

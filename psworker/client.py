@@ -17,7 +17,9 @@ import torch
 
 from pswire import errors, frames
 from pswire.consistency import Consistency, Mode
-from pswire.codec import DEFAULT_CHUNK_BYTES, ChunkAssembler, Part, tensor_bytes
+from pswire.codec import (
+    DEFAULT_CHUNK_BYTES, WIRE_DTYPES, ChunkAssembler, Part, dtype_to_wire, on_wire, tensor_bytes, wire_dtype_from_proto,
+)
 from pswire.optim import OptimizerConfig
 from pswire.placement import Placement, VariableSpec, place
 from pswire.v1 import ps_pb2, ps_pb2_grpc
@@ -84,6 +86,10 @@ class ClientOptions:
     """Seconds a pull may wait on the staleness bound (ssp/sync) before failing."""
     retry_timeout: float = 120.0
     """Seconds a push or pull keeps retrying an unreachable shard (e.g. one being restarted)."""
+    wire_dtype: torch.dtype | None = None
+    """Wire compression: send floating-point gradients and pull weights in this dtype
+    (``torch.bfloat16`` or ``torch.float16``; the shards keep and update full precision).
+    Halves the bytes moved; the weights a worker computes with are rounded to it."""
     inline_bytes: int = 256 << 10
     """Pushes and pulls of at most this many bytes to one shard go in a single message
     (PushInline / PullInline) instead of a stream, which costs a round of thread hand-offs
@@ -96,6 +102,8 @@ class ClientOptions:
             raise ValueError("chunk_bytes must be between 1 KiB and 4 MiB")
         if not 0 <= self.inline_bytes <= (4 << 20):
             raise ValueError("inline_bytes must be between 0 and 4 MiB")
+        if self.wire_dtype not in (None, *WIRE_DTYPES.values()):
+            raise ValueError(f"wire_dtype must be None, torch.bfloat16 or torch.float16, got {self.wire_dtype}")
 
     def deadline(self, nbytes: int) -> float:
         return self.timeout + nbytes / self.min_bandwidth
@@ -144,6 +152,8 @@ class ShardClient:
             ],
         )
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        self._narrow: dict[Part, torch.Tensor] = {}
+        """Reused receive buffers of compressed parts (see ``ClientOptions.wire_dtype``)."""
         # The bulk methods with the chunk codecs of pswire.frames (the same bytes on the wire).
         path = f"/{SERVICE}/"
         self._push_stream = self._channel.stream_unary(
@@ -233,7 +243,7 @@ class ShardClient:
                 if not isinstance(chunk, frames.Chunk) or chunk.part_index not in included:
                     raise errors.PSError(f"shard {self.address} sent a chunk of a part not in its header")
                 assembler.add(frames.Chunk(included[chunk.part_index], chunk.offset, chunk.data))
-            assembler.finish()
+            self._finish(assembler, destinations)
             return first.header, versions
         except grpc.RpcError as exc:
             raise _translate(exc, self.address) from exc
@@ -263,6 +273,7 @@ class ShardClient:
         header part indices to the included ones (skipped parts send no bytes), and versions."""
         included: dict[int, int] = {}
         parts, dests, versions = [], [], {}
+        wire = wire_dtype_from_proto(header.wire_dtype)
         for index, pulled in enumerate(header.parts):
             part = Part.from_proto(pulled.spec)
             if part.key not in destinations:
@@ -271,10 +282,23 @@ class ShardClient:
                 )
             if pulled.included:
                 included[index] = len(parts)
-                parts.append(part)
-                dests.append(destinations[part.key])
+                sent = on_wire(part, wire)
+                parts.append(sent)
+                if sent is part:
+                    dests.append(destinations[part.key])
+                else:  # compressed: received here, widened into the destination by _finish
+                    if sent not in self._narrow:
+                        self._narrow[sent] = torch.empty(sent.shape, dtype=sent.dtype)
+                    dests.append(self._narrow[sent])
                 versions[part.key] = pulled.version
         return ChunkAssembler(parts, dests), included, versions
+
+    @staticmethod
+    def _finish(assembler: ChunkAssembler, destinations: Mapping[str, torch.Tensor]) -> None:
+        for part, received in zip(assembler.parts, assembler.finish()):
+            target = destinations[part.key]
+            if received.data_ptr() != target.data_ptr():
+                target.copy_(received)
 
     def _write_inline(
         self, reply: ps_pb2.InlinePull, destinations: Mapping[str, torch.Tensor]
@@ -284,7 +308,7 @@ class ShardClient:
             raise errors.PSError(f"shard {self.address} sent {len(reply.data)} tensors for {len(included)} parts")
         for index, data in enumerate(reply.data):
             assembler.add(frames.Chunk(index, 0, data))
-        assembler.finish()
+        self._finish(assembler, destinations)
         return reply.header, versions
 
     def close(self) -> None:
@@ -303,6 +327,8 @@ class _ShardSession:
     """This worker's clock on the shard: the step its next push belongs to."""
     base_clock: int = 0
     """The shard clock of the last pull."""
+    narrow: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Part key -> buffer its gradient is compressed into (``ClientOptions.wire_dtype``)."""
     known: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Part key -> (version, data pointer of the tensor it was pulled into)."""
 
@@ -443,9 +469,11 @@ class PSClient:
             for key, (version, ptr) in session.known.items():
                 if dest[key].data_ptr() == ptr:
                     known[key] = version
+        wire = self.options.wire_dtype
         request = ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
-                                     known_versions=known, clock=clock if may_wait else -1)
-        return request, dest, sum(p.nbytes for p in session.parts)
+                                     known_versions=known, clock=clock if may_wait else -1,
+                                     wire_dtype=dtype_to_wire(wire) if wire is not None else 0)
+        return request, dest, sum(on_wire(p, wire).nbytes for p in session.parts)
 
     @staticmethod
     def _pulled(session: _ShardSession, header: ps_pb2.PullHeader, written: Mapping[str, int], dest) -> int:
@@ -466,7 +494,20 @@ class PSClient:
         header = self._header(session, session.version, parts)
         if data:
             header.data.CopyFrom(ps_pb2.DataPosition(**data))
-        return header, [tensor_bytes(_rows(grads[p.name], p)) for p in parts]
+        wire = self.options.wire_dtype
+        if wire is None:
+            return header, [tensor_bytes(_rows(grads[p.name], p)) for p in parts]
+        header.wire_dtype = dtype_to_wire(wire)
+        buffers = []
+        for part in parts:
+            grad, sent = _rows(grads[part.name], part), on_wire(part, wire)
+            if sent is not part:  # compressed into a buffer reused step after step
+                narrow = session.narrow.get(part.key)
+                if narrow is None:
+                    narrow = session.narrow[part.key] = torch.empty(sent.shape, dtype=wire)
+                grad = narrow.copy_(grad)
+            buffers.append(tensor_bytes(grad))
+        return header, buffers
 
     def pull(
         self, destinations: Mapping[str, torch.Tensor], *, skip_unchanged: bool = True, wait: bool = True

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pswire.codec import WIRE_DTYPES
 from psworker.api import connect
 from psworker.client import ClientOptions
 from psworker.config import WorkerConfig
@@ -138,7 +139,8 @@ def train(config: WorkerConfig) -> dict:
         optimizer = _local_optimizer(model, opt_config)
     else:
         options = ClientOptions(
-            timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout
+            timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
+            wire_dtype=WIRE_DTYPES.get(config.wire_dtype),
         )
         session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options)
         model, optimizer = session.prepare(model, opt_config, consistency=config.consistency())

@@ -133,7 +133,7 @@ class DataPosition(_message.Message):
     def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock", "data")
+    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock", "data", "wire_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class TensorHeader(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_CLOCK_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     sequence: int
@@ -150,7 +151,8 @@ class TensorHeader(_message.Message):
     clock: int
     base_clock: int
     data: DataPosition
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ...) -> None: ...
+    wire_dtype: DType
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("part_index", "offset", "data")
@@ -241,7 +243,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "generation", "known_versions", "clock")
+    __slots__ = ("worker_id", "generation", "known_versions", "clock", "wire_dtype")
     class KnownVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -253,11 +255,13 @@ class PullRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     known_versions: _containers.ScalarMap[str, int]
     clock: int
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., known_versions: _Optional[_Mapping[str, int]] = ..., clock: _Optional[int] = ...) -> None: ...
+    wire_dtype: DType
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., known_versions: _Optional[_Mapping[str, int]] = ..., clock: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PulledPart(_message.Message):
     __slots__ = ("spec", "version", "included")
@@ -270,14 +274,16 @@ class PulledPart(_message.Message):
     def __init__(self, spec: _Optional[_Union[PartSpec, _Mapping]] = ..., version: _Optional[int] = ..., included: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("version", "clock", "parts")
+    __slots__ = ("version", "clock", "parts", "wire_dtype")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     version: int
     clock: int
     parts: _containers.RepeatedCompositeFieldContainer[PulledPart]
-    def __init__(self, version: _Optional[int] = ..., clock: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PulledPart, _Mapping]]] = ...) -> None: ...
+    wire_dtype: DType
+    def __init__(self, version: _Optional[int] = ..., clock: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PulledPart, _Mapping]]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class PullMessage(_message.Message):
     __slots__ = ("header", "chunk")

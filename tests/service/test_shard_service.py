@@ -1045,3 +1045,41 @@ def test_bad_inline_push_is_invalid_argument_and_changes_nothing(ready, case):
     expect_rpc_error(lambda: ready.stub.PushInline(build(ready.worker), timeout=RPC_TIMEOUT),
                      grpc.StatusCode.INVALID_ARGUMENT, *needles)
     assert_unchanged_and_serving(ready, before, before_status, rejected=1)
+
+
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 20], ids=["streams", "single-messages"])
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_compressed_wire_round_trips_and_the_shard_keeps_full_precision(shard, inline_bytes, wire):
+    options = ClientOptions(timeout=RPC_TIMEOUT, connect_timeout=RPC_TIMEOUT, inline_bytes=inline_bytes, wire_dtype=wire)
+    # Every value here is exact in both 16-bit formats, so compression loses nothing.
+    with PSClient([shard.address], options) as client:
+        client.wait_connected()
+        client.register(SPEC, SGD, worker_name="worker-0", job_fingerprint=JOB, initial_values=INITIAL)
+        dest = {k: torch.full_like(v, -1.0) for k, v in INITIAL.items()}
+        client.pull(dest)
+        assert raw(dest) == raw(INITIAL)
+        (reply,) = client.push_pull(GRADS, dest)
+        assert reply.version == 1
+        assert raw(dest) == raw(sgd_step(INITIAL, GRADS))
+        # A value 16 bits cannot hold: the shard keeps it exactly, the worker gets it rounded.
+        # (The gradient is rounded on its way to the shard too.)
+        third = {"scale": torch.tensor(1 / 3)}
+        client.push_pull(third, dest)
+        expected = sgd_step(sgd_step(INITIAL, GRADS), {"scale": third["scale"].to(wire).float()})
+        assert dest["scale"].item() == expected["scale"].to(wire).item() != expected["scale"].item()
+    channel = grpc.insecure_channel(shard.address)
+    with channel:
+        assert pull(ps_pb2_grpc.ParameterServerStub(channel)).data == raw(expected)
+
+
+def test_compressed_pushes_must_use_a_16_bit_float_and_initial_values_go_uncompressed(ready):
+    before, before_status = pull(ready.stub), status(ready.stub)
+    bad = inline_push(ready.worker, GRADS, base_version=1)
+    bad.header.wire_dtype = ps_pb2.INT8
+    expect_rpc_error(lambda: ready.stub.PushInline(bad, timeout=RPC_TIMEOUT),
+                     grpc.StatusCode.INVALID_ARGUMENT, "wire dtype must be float16 or bfloat16", "int8")
+    assert_unchanged_and_serving(ready, before, before_status, rejected=1)
+    init = stream(ready.worker, INITIAL)
+    init[0].header.wire_dtype = ps_pb2.BFLOAT16
+    expect_rpc_error(lambda: ready.stub.Initialize(iter(init), timeout=RPC_TIMEOUT),
+                     grpc.StatusCode.INVALID_ARGUMENT, "not compressed")
