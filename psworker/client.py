@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 SERVICE = "pswire.v1.ParameterServer"
 _MESSAGE_LIMIT = 64 << 20
+KEEPALIVE_MS = 5000
+"""Interval of the client's keepalive pings (psserver permits one per second at most)."""
 
 # Only reads and the idempotent join are retried by the channel; a push is never replayed
 # blindly (it would apply twice).
@@ -110,17 +112,18 @@ class ClientOptions:
 
 
 def _retrying(call, options: ClientOptions, address: str, what: str):
-    """Run ``call`` until it succeeds, retrying with backoff while the shard is unreachable, up
-    to ``options.retry_timeout``. A retried push carries the same sequence number, so a shard
-    that did apply it acknowledges it again instead of applying it twice."""
+    """Run ``call`` until it succeeds, retrying with backoff while the shard is unreachable or
+    does not answer in time (a restart, a partition), up to ``options.retry_timeout``. A retried
+    push carries the same sequence number, so a shard that did apply it acknowledges it again
+    instead of applying it twice."""
     deadline = time.monotonic() + options.retry_timeout
     backoff = 0.1
     while True:
         try:
             return call()
-        except errors.UnavailableError as exc:
+        except (errors.UnavailableError, errors.DeadlineError) as exc:
             if time.monotonic() + backoff > deadline:
-                raise errors.UnavailableError(f"{exc} (gave up after {options.retry_timeout:.0f}s)") from exc
+                raise type(exc)(f"{exc} (gave up after {options.retry_timeout:.0f}s)") from exc
             log.warning("%s to %s failed (%s); retrying in %.1fs", what, address, exc, backoff)
             threading.Event().wait(backoff)  # a plain timed wait; nothing can end it early
             backoff = min(backoff * 2, 5.0)
@@ -149,6 +152,12 @@ class ShardClient:
                 # Reconnect quickly to a shard that restarts (the default backoff grows to 2 min).
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2000),
+                # Find a connection that went dead (a partition) by pings, rather than waiting out
+                # TCP's retransmission backoff once the network heals; the shards allow this rate.
+                ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
             ],
         )
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
@@ -365,8 +374,11 @@ class PSClient:
 
     def _fan_out(self, fn, items):
         futs = [self._pool.submit(fn, item) for item in items]
-        # Each call carries its own gRPC deadline; this outer bound only guards against a hang.
-        return [f.result(timeout=self.options.connect_timeout + 3600) for f in futs]
+        # Every call ends before an error is raised, so none is left running (a retry, say)
+        # under the caller's next step. Each call carries its own gRPC deadline; this outer
+        # bound only guards against a hang.
+        futures.wait(futs, timeout=self.options.connect_timeout + 3600)
+        return [f.result(timeout=0) for f in futs]
 
     def wait_connected(self) -> None:
         self._fan_out(lambda c: c.wait_connected(self.options.connect_timeout), self._clients)
@@ -401,12 +413,13 @@ class PSClient:
 
         def one(index: int) -> bool:
             session = self._sessions[index]
-            reply = session.client.register(ps_pb2.RegisterRequest(
+            request = ps_pb2.RegisterRequest(
                 worker_name=worker_name, shard_index=index, num_shards=self.num_shards,
                 placement_digest=placement.digest(), parts=[p.to_proto() for p in session.parts],
                 optimizer=optimizer_to_proto(optimizer), job_fingerprint=job_fingerprint,
                 consistency=consistency_to_proto(wanted),
-            ))
+            )
+            reply = _retrying(lambda: session.client.register(request), self.options, session.client.address, "register")
             session.worker_id, session.generation = reply.worker_id, reply.generation
             session.version, session.sequence = reply.version, 0
             session.clock = session.base_clock = reply.clock
@@ -446,9 +459,11 @@ class PSClient:
                 try:
                     session.client.heartbeat(request, timeout=max(1.0, self.lease_seconds / 3))
                 except errors.FencedError as exc:
-                    if not self.fenced.is_set():
+                    with self._lock:  # a registration that was renewed meanwhile is not fenced
+                        current = any(s is session for s in self._sessions) and session.generation == request.generation
+                    if current and not self.fenced.is_set():
                         log.warning("%s", exc)
-                    self.fenced.set()
+                        self.fenced.set()
                 except errors.PSError as exc:
                     log.debug("heartbeat to %s failed: %s", session.client.address, exc)
 
