@@ -1,0 +1,5 @@
+import sys
+
+from psbench.main import main
+
+sys.exit(main())

@@ -1,0 +1,124 @@
+"""The issue's "Done when" criteria, computed from a run's results (never asserted: a benchmark
+reports, and the people reading it decide).
+
+Each check is a pure function of the results document, so it can be recomputed from any saved
+JSON. A check whose figures were not measured (a section left out) has ``passed = None``. When
+the exact size named by a criterion was not measured (``--sizes``, ``--quick``), the nearest
+measured one stands in and the check's ``detail`` says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+__all__ = ["Check", "compute_checks"]
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    name: str
+    value: float | None
+    """The measured ratio (or bytes, for memory)."""
+    comparison: str
+    """``>=`` or ``<=``: how ``value`` must compare to ``threshold`` to pass."""
+    threshold: float | None
+    passed: bool | None
+    detail: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check(id: str, name: str, value: float | None, comparison: str, threshold: float | None, detail: str) -> Check:
+    if value is None or threshold is None:
+        return Check(id, name, value, comparison, threshold, None, detail or "not measured in this run")
+    passed = value >= threshold if comparison == ">=" else value <= threshold
+    return Check(id, name, value, comparison, threshold, passed, detail)
+
+
+def _goodput(results: dict, shards: int) -> dict[int, dict]:
+    return {g["size_mib"]: g for g in results.get("goodput") or [] if g["shards"] == shards}
+
+
+def _nearest(sizes, wanted: int) -> int | None:
+    return min(sizes, key=lambda s: (abs(s - wanted), s)) if sizes else None
+
+
+def _tcp_ratio(results: dict) -> Check:
+    name = "PS goodput, 64 MiB, 1 shard >= 0.5 x raw TCP"
+    rows = _goodput(results, 1)
+    size = _nearest(rows, 64)
+    if size is None or rows[size].get("ratio_to_tcp") is None:
+        return _check("1", name, None, ">=", 0.5, "")
+    row = rows[size]
+    tcp = row["bytes_per_second"] / row["ratio_to_tcp"]
+    detail = f"{row['bytes_per_second'] / MIB:.0f} / {tcp / MIB:.0f} MiB/s"
+    if size != 64:
+        detail += f" (at {size} MiB)"
+    return _check("1", name, row["ratio_to_tcp"], ">=", 0.5, detail)
+
+
+def _size_ratio(results: dict, shards: int, id: str) -> Check:
+    name = f"PS goodput, 256 MiB >= 0.85 x 4 MiB, {shards} shard{'s' if shards > 1 else ''}"
+    goodput = {size: row["bytes_per_second"] for size, row in _goodput(results, shards).items()}
+    if len(goodput) < 2:
+        return _check(id, name, None, ">=", 0.85, "needs two sizes")
+    large, small = _nearest(goodput, 256), _nearest(goodput, 4)
+    if large == small:
+        large, small = max(goodput), min(goodput)
+    detail = f"{goodput[large] / MIB:.0f} / {goodput[small] / MIB:.0f} MiB/s"
+    if (large, small) != (256, 4):
+        detail += f" ({large} vs {small} MiB)"
+    return _check(id, name, goodput[large] / goodput[small], ">=", 0.85, detail)
+
+
+def _training(results: dict, params: int, threshold: float, id: str, label: str) -> Check:
+    name = f"training {label} MLP >= {threshold} x local"
+    runs = results.get("training") or []
+    if not runs:
+        return _check(id, name, None, ">=", threshold, "")
+    run = min(runs, key=lambda r: (abs(r["parameters"] - params), r["parameters"]))
+    detail = f"{run['cluster_samples_per_second']:.0f} / {run['local_samples_per_second']:.0f} samples/s"
+    if run["parameters"] != params and abs(run["parameters"] - params) > params // 10:
+        detail += f" (at {run['parameters']} parameters)"
+    return _check(id, name, run["ratio_to_local"], ">=", threshold, detail)
+
+
+def _latency(results: dict) -> Check:
+    name = "small pull p50 <= 1.5 x gRPC echo p50"
+    pull = (results.get("latency") or {}).get("pull")
+    if not pull or pull.get("p50_ratio_to_echo") is None:
+        return _check("4", name, None, "<=", 1.5, "")
+    echo = pull["p50_seconds"] / pull["p50_ratio_to_echo"]
+    detail = f"{pull['p50_seconds'] * 1e3:.2f} / {echo * 1e3:.2f} ms"
+    return _check("4", name, pull["p50_ratio_to_echo"], "<=", 1.5, detail)
+
+
+def _memory(results: dict) -> Check:
+    name = "shard peak RSS <= 1.5 x held + 200 MiB"
+    memory = results.get("memory")
+    if not memory:
+        return _check("5", name, None, "<=", None, "")
+    detail = (f"peak {memory['peak_rss_bytes'] / MIB:.0f} MiB, held {memory['held_bytes'] / MIB:.0f} MiB, "
+              f"target {memory['target_bytes'] / MIB:.0f} MiB")
+    return _check("5", name, float(memory["peak_rss_bytes"]), "<=", float(memory["target_bytes"]), detail)
+
+
+_CHECKS: tuple[Callable[[dict], Check], ...] = (
+    _tcp_ratio,
+    lambda r: _size_ratio(r, 1, "2"),
+    lambda r: _size_ratio(r, 2, "2b"),
+    lambda r: _training(r, 4_300_810, 0.6, "3", "4.3M"),
+    lambda r: _training(r, 15_210, 0.2, "3b", "15K"),
+    _latency,
+    _memory,
+)
+
+
+def compute_checks(results: dict) -> list[Check]:
+    """Every check, in the issue's order, from a results document."""
+    return [check(results) for check in _CHECKS]

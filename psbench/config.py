@@ -1,0 +1,176 @@
+"""psbench configuration: one frozen dataclass, built once in ``main()`` from flags, then
+``PSBENCH_*`` environment variables, then defaults (flags win). Only this module reads ``argv``
+and the environment. :meth:`BenchConfig.plan` turns it into the exact work of a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pswire.flags import add_fields, parse
+
+__all__ = ["SECTIONS", "BenchConfig", "Plan", "TrainingCase", "parse_args", "training_case"]
+
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory")
+"""Every section, in the order they run."""
+
+_NEEDS_BASELINES = ("goodput", "latency")
+
+
+def _f(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise ValueError(f"{what} must be distinct integers >= 1, got {text!r}")
+    return values
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    out: str = _f("psbench.json", "JSON file the results are written to.")
+    quick: bool = _f(False, "Tiny sizes, few repetitions, one small model: a smoke run of every section "
+                     "in about a minute.")
+    only: str = _f("", "Run only these sections, comma-separated, of: " + ", ".join(SECTIONS)
+                   + ". goodput and latency bring baselines along (their ratios need it).")
+    reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 5 for transfers "
+                          "and 3 for training; --quick: 2 and 1).")
+    sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4).")
+    widths: str = _f("", "Hidden widths of the training MLPs, comma-separated (default: 100,1024,2048; --quick: 100).")
+    latency_calls: int | None = _f(None, "Timed calls per latency figure (default: 1000; --quick: 100).")
+    keep_logs: str | None = _f(None, "Keep every child process's log in this directory (default: a temporary "
+                               "one, removed).")
+    log_level: str = _f("INFO", "Logging level of psbench's progress lines (stderr).")
+
+    def __post_init__(self) -> None:
+        unknown = set(self.sections_asked()) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"--only: unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+        if self.reps is not None and self.reps < 1:
+            raise ValueError(f"--reps must be >= 1, got {self.reps}")
+        if self.latency_calls is not None and self.latency_calls < 10:
+            raise ValueError(f"--latency-calls must be >= 10, got {self.latency_calls}")
+        if self.sizes:
+            _ints(self.sizes, "--sizes")
+        if self.widths:
+            _ints(self.widths, "--widths")
+        if not self.out:
+            raise ValueError("--out must name a file")
+
+    def sections_asked(self) -> tuple[str, ...]:
+        return tuple(s.strip() for s in self.only.split(",") if s.strip())
+
+    def plan(self) -> "Plan":
+        """The work of this run, with every default resolved."""
+        asked = self.sections_asked() or SECTIONS
+        wanted = set(asked) | ({"baselines"} if set(asked) & set(_NEEDS_BASELINES) else set())
+        quick = self.quick
+        widths = _ints(self.widths, "--widths") if self.widths else ((100,) if quick else (100, 1024, 2048))
+        return Plan(
+            sections=tuple(s for s in SECTIONS if s in wanted),
+            quick=quick,
+            sizes_mib=tuple(sorted(_ints(self.sizes, "--sizes") if self.sizes
+                                   else ((1, 4) if quick else (4, 64, 256)))),
+            shard_counts=(1, 2),
+            transfer_reps=self.reps or (2 if quick else 5),
+            transfer_warmup=1,
+            training_reps=self.reps or (1 if quick else 3),
+            baseline_bytes=(16 if quick else 256) << 20,
+            latency_calls=self.latency_calls or (100 if quick else 1000),
+            latency_warmup=20 if quick else 100,
+            small_bytes=4096,
+            training=tuple(training_case(w, quick=quick) for w in sorted(widths)),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingCase:
+    """One model to train, with step counts that make each timed loop last a few seconds."""
+
+    width: int
+    """Hidden width W of the ``40 -> W -> W -> 10`` MLP (``psbench.tasks:mlpW``)."""
+    local_steps: int
+    """Steps of the local run."""
+    worker_steps: int
+    """Steps of each cluster worker."""
+
+    def __post_init__(self) -> None:
+        if self.local_steps < 1 or self.worker_steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.local_steps} and {self.worker_steps}")
+
+    @property
+    def parameters(self) -> int:
+        w = self.width
+        return 40 * w + w + w * w + w + w * 10 + 10
+
+    @property
+    def task(self) -> str:
+        return f"psbench.tasks:mlp{self.width}"
+
+
+# Step counts aim for a timed loop of a few seconds. Seconds per step grow with the parameter
+# count: measured on a 2-core EPYC, about 0.75 ms + 8.5 ns/parameter locally and
+# 15 ms + 40 ns/parameter per cluster worker (2 shards x 2 workers sharing the cores).
+def training_case(width: int, *, quick: bool = False) -> TrainingCase:
+    """The case for an MLP of hidden ``width`` with step counts sized to its cost."""
+    parameters = TrainingCase(width=width, local_steps=1, worker_steps=1).parameters
+    local_seconds, worker_seconds = (0.5, 1.0) if quick else (2.5, 6.0)
+    return TrainingCase(
+        width=width,
+        local_steps=max(20, round(local_seconds / (0.75e-3 + 8.5e-9 * parameters))),
+        worker_steps=max(10 if quick else 20, round(worker_seconds / (15e-3 + 40e-9 * parameters))),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything a run does, resolved from :class:`BenchConfig`."""
+
+    sections: tuple[str, ...]
+    quick: bool
+    sizes_mib: tuple[int, ...]
+    shard_counts: tuple[int, ...]
+    transfer_reps: int
+    transfer_warmup: int
+    training_reps: int
+    baseline_bytes: int
+    """Bytes per timed transfer of the TCP and bare gRPC goodput baselines."""
+    latency_calls: int
+    latency_warmup: int
+    small_bytes: int
+    """Payload of the echo baseline and size of the small variable: 4 KiB."""
+    training: tuple[TrainingCase, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "sections": list(self.sections), "quick": self.quick, "sizes_mib": list(self.sizes_mib),
+            "shard_counts": list(self.shard_counts), "transfer_reps": self.transfer_reps,
+            "transfer_warmup": self.transfer_warmup, "training_reps": self.training_reps,
+            "baseline_bytes": self.baseline_bytes, "latency_calls": self.latency_calls,
+            "latency_warmup": self.latency_warmup, "small_bytes": self.small_bytes,
+            "training": [{"width": c.width, "local_steps": c.local_steps, "worker_steps": c.worker_steps}
+                         for c in self.training],
+        }
+
+
+def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> BenchConfig:
+    """Flags, then ``PSBENCH_<FIELD>`` variables, then defaults. Exits with a usage error naming
+    the problem on invalid input."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(
+        prog="psbench",
+        description="Measure the parameter server against its limits on this machine (loopback): "
+        "baselines (raw TCP, bare gRPC, local training), PS goodput, small-call latency, "
+        "training throughput and shard memory. Prints a table and writes JSON.",
+        epilog="Every flag can also be set as PSBENCH_<FLAG> (e.g. PSBENCH_REPS=3); flags win.",
+    )
+    add_fields(parser, BenchConfig)
+    return parse(BenchConfig, parser, argv, env, "PSBENCH")

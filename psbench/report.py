@@ -1,0 +1,176 @@
+"""The results document as a plain-text table for the terminal (and for docs/benchmarks.md),
+and as a JSON file written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["render", "write_json"]
+
+MIB = 1 << 20
+
+
+def _rate(bytes_per_second: float | None) -> str:
+    return "-" if bytes_per_second is None else f"{bytes_per_second / MIB:,.0f} MiB/s"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us"
+
+
+def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """Columns padded to their widest cell; ``align`` has an ``l`` or ``r`` per column (default:
+    the first left, the rest right, as for a label followed by numbers)."""
+    widths = [max(len(x) for x in column) for column in zip(header, *rows)]
+    align = align or "l" + "r" * (len(header) - 1)
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def _cpu(seconds_per_mib: float | None) -> str:
+    return "-" if seconds_per_mib is None else f"{seconds_per_mib * 1e3:.2f}"
+
+
+def _baselines(base: dict) -> list[str]:
+    tcp, stream, echo = base["tcp"], base["grpc_stream"], base["grpc_echo"]
+    chunk = stream["chunk_bytes"] // 1024
+    up, down = stream["upload"], stream["download"]
+    return ["Baselines (loopback, server in a child process; CPU: client + server ms per MiB moved)", *_table(
+        ["figure", "value", "x TCP", "CPU ms/MiB"],
+        [
+            [f"raw TCP goodput, 1 stream, {tcp['bytes_per_transfer'] // MIB} MiB", _rate(tcp["bytes_per_second"]),
+             "1.00", _cpu(tcp["cpu_seconds_per_mib"])],
+            [f"bare gRPC stream up, {chunk} KiB messages", _rate(up["bytes_per_second"]),
+             _ratio(up["bytes_per_second"] / tcp["bytes_per_second"]), _cpu(up["cpu_seconds_per_mib"])],
+            [f"bare gRPC stream down, {chunk} KiB messages", _rate(down["bytes_per_second"]),
+             _ratio(down["bytes_per_second"] / tcp["bytes_per_second"]), _cpu(down["cpu_seconds_per_mib"])],
+            ["bare gRPC up + down round", _rate(stream["round_bytes_per_second"]),
+             _ratio(stream["round_bytes_per_second"] / tcp["bytes_per_second"]), ""],
+            [f"bare gRPC unary echo {echo['payload_bytes'] // 1024} KiB, p50 / p99",
+             f"{_ms(echo['p50_seconds'])} / {_ms(echo['p99_seconds'])}", "", ""],
+        ],
+    ), f"echo CPU per call: client {_us(echo['client_cpu_seconds_per_call'])}, "
+       f"server {_us(echo['server_cpu_seconds_per_call'])}"]
+
+
+def _goodput(rows: list[dict]) -> list[str]:
+    return ["PS goodput: (bytes pushed + bytes pulled) / time of a push + pull round; TCP: the same bytes "
+            "sent just before each round; CPU: client + shards ms per MiB moved", *_table(
+        ["model", "shards", "goodput", "push", "pull", "TCP (paired)", "x TCP", "x bare gRPC", "CPU ms/MiB"],
+        [[f"{r['size_mib']} MiB", str(r["shards"]), _rate(r["bytes_per_second"]), _rate(r["push_bytes_per_second"]),
+          _rate(r["pull_bytes_per_second"]), _rate(r.get("paired_tcp_bytes_per_second")), _ratio(r["ratio_to_tcp"]),
+          _ratio(r["ratio_to_bare_grpc"]), _cpu(r["cpu_seconds_per_mib"])]
+         for r in rows],
+    )]
+
+
+def _latency(latency: dict) -> list[str]:
+    rows = []
+    for name in ("pull", "push"):
+        r = latency[name]
+        echo = (f"{_ms(r['paired_echo_p50_seconds'])} / {_ms(r['paired_echo_p99_seconds'])}"
+                if "paired_echo_p50_seconds" in r else "-")
+        rows.append([name, _ms(r["p50_seconds"]), _ms(r["p99_seconds"]), echo, _ratio(r.get("p50_ratio_to_echo")),
+                     _ratio(r.get("p99_ratio_to_echo")),
+                     f"{_us(r['client_cpu_seconds_per_call'])} / {_us(r['shard_cpu_seconds_per_call'])}"])
+    return [f"Small operations: one {latency['variable_bytes'] // 1024} KiB variable, 1 shard; echo: a 4 KiB "
+            "bare gRPC echo just before each call", *_table(
+        ["call", "p50", "p99", "echo p50 / p99", "x echo p50", "x echo p99", "CPU per call: client / shard"], rows)]
+
+
+def _training(rows: list[dict]) -> list[str]:
+    first = rows[0]
+    return [f"Training: MNIST-1D MLP 40-W-W-10, batch {first['batch_size']}, SGD; "
+            f"{first['shards']} shards x {first['workers']} async workers vs local, samples/s "
+            "(medians; x local: median of each cluster run over the local run just before it)", *_table(
+        ["model", "parameters", "local", "cluster", "x local"],
+        [[f"W={r['width']}", f"{r['parameters']:,}", f"{r['local_samples_per_second']:,.0f}",
+          f"{r['cluster_samples_per_second']:,.0f}", _ratio(r["ratio_to_local"])] for r in rows],
+    )]
+
+
+def _memory(memory: dict) -> list[str]:
+    return [f"Shard memory: {memory['size_mib']} MiB model on 1 shard", *_table(
+        ["figure", "value"],
+        [
+            ["held (variables + optimizer state)", f"{memory['held_bytes'] / MIB:,.0f} MiB"],
+            ["resident at start (idle)", f"{memory['idle_rss_bytes'] / MIB:,.0f} MiB"],
+            ["peak resident (VmHWM)", f"{memory['peak_rss_bytes'] / MIB:,.0f} MiB"],
+            ["peak / held", _ratio(memory["ratio_to_held"])],
+            ["target: 1.5 x held + 200 MiB", f"{memory['target_bytes'] / MIB:,.0f} MiB"],
+        ],
+    )]
+
+
+def _checks(checks: list[dict]) -> list[str]:
+    def verdict(c: dict) -> str:
+        return {True: "PASS", False: "FAIL", None: "n/a"}[c["passed"]]
+
+    def value(c: dict) -> str:
+        if c["value"] is None:
+            return "-"
+        if c["id"] == "5":
+            return f"{c['value'] / MIB:,.0f} MiB {c['comparison']} {c['threshold'] / MIB:,.0f} MiB"
+        return f"{c['value']:.2f} {c['comparison']} {c['threshold']}"
+
+    return ["Checks (reported, not enforced)", *_table(
+        ["#", "check", "measured", "result", "detail"],
+        [[c["id"], c["name"], value(c), verdict(c), c["detail"]] for c in checks],
+        align="llrll",
+    )]
+
+
+def render(doc: dict) -> str:
+    """The whole results document as text: a header, one table per section measured, the
+    checks, and any section errors."""
+    env = doc["environment"]
+    lines = [
+        f"psbench {doc['started_at']}  {env['cpu_model']}, {env['usable_cores']} cores, "
+        f"python {env['python']}, torch {env['torch']}, grpcio {env['grpcio']}, protobuf {env['protobuf']}",
+        f"load average at start {env.get('load_average_at_start')}, at end {env.get('load_average_at_end')}; "
+        f"{doc['duration_seconds']:.0f}s" + ("  (--quick)" if doc["plan"]["quick"] else ""),
+    ]
+    source = env.get("source") or {}
+    if source.get("commit"):
+        modified = source.get("modified_files") or []
+        lines.append(f"code: commit {source['commit'][:12]}"
+                     + (f" with {len(modified)} modified product file(s): {', '.join(modified)}" if modified else ""))
+    for key, render_section in (("baselines", _baselines), ("goodput", _goodput), ("latency", _latency),
+                                ("training", _training), ("memory", _memory)):
+        if doc.get(key):
+            lines += ["", *render_section(doc[key])]
+    lines += ["", *_checks(doc["checks"])]
+    for section, message in (doc.get("errors") or {}).items():
+        lines += ["", f"ERROR in section {section}: {message}"]
+    return "\n".join(lines)
+
+
+def write_json(doc: dict, path: str | os.PathLike) -> Path:
+    """Write ``doc`` to ``path`` through a temporary file and a rename, so a reader never sees
+    half a file. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path

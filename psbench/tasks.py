@@ -1,0 +1,96 @@
+"""The benchmark's training tasks: MNIST-1D MLPs ``40 -> W -> W -> 10`` (ReLU), loadable by any
+worker as a user task, e.g. ``psworker --task psbench.tasks:mlp1024``.
+
+Three widths span the regimes that limit a parameter server differently: at W=100 (about 15K
+parameters) a step is almost all per-call overhead, at W=2048 (about 4.3M parameters, 17 MiB)
+it is bytes on the wire against matrix products.
+
+Generating MNIST-1D takes several seconds per process. ``psbench`` generates it once and hands
+the arrays to its workers in an ``.npz`` file named by ``PSBENCH_MNIST1D`` (read with
+``allow_pickle=False``: nothing is unpickled); without it a task generates the data itself, so
+the tasks also work on their own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from psworker.tasks import Task, TaskDefaults, _mnist1d_arrays
+
+__all__ = ["DATA_ENV", "WIDTHS", "build_mlp", "mlp100", "mlp1024", "mlp2048", "save_mnist1d"]
+
+DATA_ENV = "PSBENCH_MNIST1D"
+"""Environment variable naming an ``.npz`` of the MNIST-1D arrays written by :func:`save_mnist1d`."""
+
+WIDTHS = (100, 1024, 2048)
+"""Hidden widths of the benchmark MLPs: about 15K, 1.1M and 4.3M parameters."""
+
+_KEYS = ("x", "y", "x_test", "y_test")
+_DTYPES = {"x": np.float32, "y": np.int64, "x_test": np.float32, "y_test": np.int64}
+
+# SGD keeps the shard's apply cheap (no optimizer state), so the figures measure the transport
+# and the training loop, not Adam's arithmetic. Plain SGD at 0.05 trains these MLPs stably.
+_DEFAULTS = TaskDefaults(optimizer="sgd", lr=0.05, batch_size=64, steps=2000)
+
+
+def save_mnist1d(path: str | os.PathLike) -> Path:
+    """Generate MNIST-1D and write its arrays to ``path`` (an ``.npz``). Returns the path."""
+    path = Path(path)
+    arrays = dict(zip(_KEYS, _mnist1d_arrays()))
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    return path
+
+
+def _load_arrays() -> tuple[np.ndarray, ...]:
+    """The cached arrays when ``PSBENCH_MNIST1D`` names a file, else freshly generated ones.
+
+    Raises ``ValueError`` when the named file lacks an array or holds the wrong dtype, so a stale
+    or foreign file is not trained on silently.
+    """
+    cached = os.environ.get(DATA_ENV)
+    if not cached:
+        return _mnist1d_arrays()
+    with np.load(cached, allow_pickle=False) as data:
+        missing = [k for k in _KEYS if k not in data.files]
+        if missing:
+            raise ValueError(f"{DATA_ENV}={cached}: arrays {missing} are missing")
+        arrays = tuple(data[k] for k in _KEYS)
+    for key, array in zip(_KEYS, arrays):
+        if array.dtype != _DTYPES[key]:
+            raise ValueError(f"{DATA_ENV}={cached}: {key!r} is {array.dtype}, expected {np.dtype(_DTYPES[key])}")
+    return arrays
+
+
+def build_mlp(width: int) -> nn.Sequential:
+    """``40 -> width -> width -> 10`` with ReLU. Raises ``ValueError`` if ``width`` < 1."""
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    return nn.Sequential(nn.Linear(40, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 10))
+
+
+def _task(width: int) -> Task:
+    x, y, x_test, y_test = (torch.from_numpy(np.array(a)) for a in _load_arrays())  # private copies
+    return Task(name=f"psbench-mlp{width}", model=build_mlp(width), train=(x, y), test=(x_test, y_test),
+                loss_fn=nn.functional.cross_entropy, defaults=_DEFAULTS)
+
+
+def mlp100(seed: int = 0) -> Task:
+    """About 15K parameters: per-step overhead dominates."""
+    return _task(100)
+
+
+def mlp1024(seed: int = 0) -> Task:
+    """About 1.1M parameters (4.3 MiB)."""
+    return _task(1024)
+
+
+def mlp2048(seed: int = 0) -> Task:
+    """About 4.3M parameters (17 MiB): bytes on the wire dominate."""
+    return _task(2048)
