@@ -76,9 +76,9 @@ def _size_ratio(results: dict, shards: int, id: str) -> Check:
     return _check(id, name, goodput[large] / goodput[small], ">=", 0.85, detail)
 
 
-def _training(results: dict, params: int, threshold: float, id: str, label: str) -> Check:
-    name = f"training {label} MLP >= {threshold} x local"
-    runs = results.get("training") or []
+def _training(results: dict, params: int, threshold: float, id: str, label: str, wire: str = "none") -> Check:
+    name = f"training {label} MLP >= {threshold} x local" + (f" ({wire} wire)" if wire != "none" else "")
+    runs = [r for r in results.get("training") or [] if r.get("wire_dtype", "none") == wire]
     if not runs:
         return _check(id, name, None, ">=", threshold, "")
     run = min(runs, key=lambda r: (abs(r["parameters"] - params), r["parameters"]))
@@ -114,6 +114,7 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     lambda r: _size_ratio(r, 2, "2b"),
     lambda r: _training(r, 4_300_810, 0.6, "3", "4.3M"),
     lambda r: _training(r, 15_210, 0.2, "3b", "15K"),
+    lambda r: _training(r, 4_300_810, 0.6, "3c", "4.3M", wire="bf16"),
     _latency,
     _memory,
 )

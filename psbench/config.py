@@ -87,7 +87,9 @@ class BenchConfig:
             latency_calls=self.latency_calls or (100 if quick else 1000),
             latency_warmup=20 if quick else 100,
             small_bytes=4096,
-            training=tuple(training_case(w, quick=quick) for w in sorted(widths)),
+            # The widest model once more with bf16 on the wire: where compression pays most.
+            training=tuple(training_case(w, quick=quick) for w in sorted(widths))
+            + (() if quick else (training_case(max(widths), wire_dtype="bf16"),)),
         )
 
 
@@ -101,6 +103,8 @@ class TrainingCase:
     """Steps of the local run."""
     worker_steps: int
     """Steps of each cluster worker."""
+    wire_dtype: str = "none"
+    """The workers' ``--wire-dtype``: ``bf16`` measures 16-bit wire compression."""
 
     def __post_init__(self) -> None:
         if self.local_steps < 1 or self.worker_steps < 1:
@@ -119,7 +123,7 @@ class TrainingCase:
 # Step counts aim for a timed loop of a few seconds. Seconds per step grow with the parameter
 # count: measured on a 2-core EPYC, about 0.75 ms + 8.5 ns/parameter locally and
 # 15 ms + 40 ns/parameter per cluster worker (2 shards x 2 workers sharing the cores).
-def training_case(width: int, *, quick: bool = False) -> TrainingCase:
+def training_case(width: int, *, quick: bool = False, wire_dtype: str = "none") -> TrainingCase:
     """The case for an MLP of hidden ``width`` with step counts sized to its cost."""
     parameters = TrainingCase(width=width, local_steps=1, worker_steps=1).parameters
     local_seconds, worker_seconds = (0.5, 1.0) if quick else (2.5, 6.0)
@@ -127,6 +131,7 @@ def training_case(width: int, *, quick: bool = False) -> TrainingCase:
         width=width,
         local_steps=max(20, round(local_seconds / (0.75e-3 + 8.5e-9 * parameters))),
         worker_steps=max(10 if quick else 20, round(worker_seconds / (15e-3 + 40e-9 * parameters))),
+        wire_dtype=wire_dtype,
     )
 
 
@@ -156,8 +161,8 @@ class Plan:
             "transfer_warmup": self.transfer_warmup, "training_reps": self.training_reps,
             "baseline_bytes": self.baseline_bytes, "latency_calls": self.latency_calls,
             "latency_warmup": self.latency_warmup, "small_bytes": self.small_bytes,
-            "training": [{"width": c.width, "local_steps": c.local_steps, "worker_steps": c.worker_steps}
-                         for c in self.training],
+            "training": [{"width": c.width, "local_steps": c.local_steps, "worker_steps": c.worker_steps,
+                          "wire_dtype": c.wire_dtype} for c in self.training],
         }
 
 

@@ -98,7 +98,8 @@ def _training(rows: list[dict]) -> list[str]:
             f"{first['shards']} shards x {first['workers']} async workers vs local, samples/s "
             "(medians; x local: median of each cluster run over the local run just before it)", *_table(
         ["model", "parameters", "local", "cluster", "x local"],
-        [[f"W={r['width']}", f"{r['parameters']:,}", f"{r['local_samples_per_second']:,.0f}",
+        [[f"W={r['width']}" + (f" {r['wire_dtype']} wire" if r.get("wire_dtype", "none") != "none" else ""),
+          f"{r['parameters']:,}", f"{r['local_samples_per_second']:,.0f}",
           f"{r['cluster_samples_per_second']:,.0f}", _ratio(r["ratio_to_local"])] for r in rows],
     )]
 

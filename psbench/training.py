@@ -61,6 +61,7 @@ class TrainingResult:
         return {
             "task": self.case.task,
             "width": self.case.width,
+            "wire_dtype": self.case.wire_dtype,
             "parameters": self.parameters,
             "batch_size": BATCH_SIZE,
             "shards": self.shards,
@@ -121,7 +122,8 @@ def run_cluster(
             running.append(children.start_module(
                 f"worker{i}-mlp{case.width}", "psworker", "--ps", ps, "--task", case.task,
                 "--worker-index", str(i), "--num-workers", str(workers), "--steps", str(case.worker_steps),
-                "--worker-name", f"psbench-run{run}-worker{i}", *_COMMON, separate_stdout=True,
+                "--worker-name", f"psbench-run{run}-{case.wire_dtype}-worker{i}", "--wire-dtype", case.wire_dtype,
+                *_COMMON, separate_stdout=True,
             ))
         return [_result(child, timeout) for child in running]
     finally:
