@@ -89,7 +89,7 @@ class BenchConfig:
             small_bytes=4096,
             # The widest model once more with bf16 on the wire: where compression pays most.
             training=tuple(training_case(w, quick=quick) for w in sorted(widths))
-            + (() if quick else (training_case(max(widths), wire_dtype="bf16"),)),
+            + (training_case(max(widths), quick=quick, wire_dtype="bf16"),),
         )
 
 

@@ -59,7 +59,7 @@ def test_quick_run_reports_every_section(tmp_path):
     assert 0 <= doc["memory"]["held_bytes"] - (doc["memory"]["size_mib"] << 20) < 4096
 
     checks = {c["id"]: c for c in doc["checks"]}
-    assert set(checks) == {"1", "2", "2b", "3", "3b", "4", "5"}
+    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5"}
     assert all(isinstance(c["passed"], bool) for c in checks.values()), checks
 
     env = doc["environment"]

@@ -39,7 +39,8 @@ def test_only_brings_the_baselines_its_ratios_need():
 def test_quick_plan_is_small_and_flags_override_it():
     plan = parse_args(["--quick", "--sizes", "8,2", "--reps", "4"], env={}).plan()
     assert plan.sizes_mib == (2, 8) and plan.transfer_reps == 4 and plan.training_reps == 4
-    assert [c.width for c in plan.training] == [100]
+    # The widest model runs twice: as it is and with bf16 on the wire.
+    assert [(c.width, c.wire_dtype) for c in plan.training] == [(100, "none"), (100, "bf16")]
     assert parse_args([], env={"PSBENCH_REPS": "7"}).plan().transfer_reps == 7
 
 
