@@ -6,8 +6,10 @@ the others, and runs the periodic schedule on its own thread.
 
 Ids: ``psctl checkpoint`` sends one id to every shard. The schedule ``--checkpoint-every 30s``
 uses the wall-clock second rounded down to a multiple of 30; ``--checkpoint-every 500`` uses the
-shard clock (steps every live worker completed; in sync the applied clock, an exact cut) rounded
-down to a multiple of 500. Shards of one job therefore write parts of the same checkpoint.
+shard clock (steps every live worker completed; in sync the applied clock): the store copies its
+state the moment its clock reaches a multiple of 500 (in sync an exact cut), and this thread
+writes the copy as checkpoint 500, 1000, ... Shards of one job therefore write parts of the same
+checkpoints, however far their clocks run ahead of their writers.
 """
 
 from __future__ import annotations
@@ -83,17 +85,21 @@ class Checkpointer:
         if checkpoint_id < 1:
             raise PreconditionError(f"checkpoint id must be >= 1, got {checkpoint_id}")
         with self._lock:
-            version, tensors, metadata = self._store.export()
-            job = metadata["job"]
-            started = time.monotonic()
-            path = self._files.write(
-                checkpoint_id, job["shard_index"], job["num_shards"], ShardPart(tensors, metadata)
-            )
-            self.last_id, self.last_path = checkpoint_id, str(path)
-            complete = self._files.is_complete(checkpoint_id, job["num_shards"])
-            log.info("checkpoint %d written to %s in %.2fs (version %d%s)", checkpoint_id, path,
-                     time.monotonic() - started, version, ", complete" if complete else "")
-            return str(path), version, complete
+            return self._write(checkpoint_id, self._store.export())
+
+    def _write(self, checkpoint_id: int, exported: tuple[int, dict, dict]) -> tuple[str, int, bool]:
+        # Caller holds _lock.
+        version, tensors, metadata = exported
+        job = metadata["job"]
+        started = time.monotonic()
+        path = self._files.write(
+            checkpoint_id, job["shard_index"], job["num_shards"], ShardPart(tensors, metadata)
+        )
+        self.last_id, self.last_path = checkpoint_id, str(path)
+        complete = self._files.is_complete(checkpoint_id, job["num_shards"])
+        log.info("checkpoint %d written to %s in %.2fs (version %d%s)", checkpoint_id, path,
+                 time.monotonic() - started, version, ", complete" if complete else "")
+        return str(path), version, complete
 
     def restore(self, shard_index: int, num_shards: int) -> int:
         """Load this shard's part of the newest complete checkpoint into the (fresh) store.
@@ -112,14 +118,26 @@ class Checkpointer:
     def start(self) -> None:
         if self._schedule is None:
             return
+        if self._schedule.unit == "steps":
+            # The store copies its state the moment its clock reaches each multiple, so every
+            # shard's part of a checkpoint is the same cut even when the writer runs late.
+            self._store.checkpoint_every(self._schedule.every)
         self._thread = threading.Thread(target=self._run, name="psserver-checkpoint", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         assert self._schedule is not None
-        while not self._stopped.wait(timeout=0.5):
+        while not self._stopped.is_set():
             try:
-                due = self._schedule.due_id(self._now(), self._store.status()["clock"])
+                if self._schedule.unit == "steps":
+                    cut = self._store.next_cut(timeout=0.5)
+                    if cut is not None:
+                        with self._lock:
+                            self._write(*cut)
+                    continue
+                if self._stopped.wait(timeout=0.5):
+                    break
+                due = self._schedule.due_id(self._now(), 0)
                 if due > self.last_id:
                     self.checkpoint(due)
             except NotReadyError:

@@ -11,6 +11,7 @@ import enum
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -163,6 +164,12 @@ class ShardStore:
         self._workers_evicted = 0
         self._max_staleness = 0
         self._staleness_counts = [0] * STALENESS_BUCKETS
+        # Checkpoints every N steps: the state is copied the moment the clock reaches a multiple
+        # of N (in sync an exact cut), so every shard's part of checkpoint C is its state at
+        # clock C whenever its writer thread gets to it. At most two cuts wait to be written.
+        self._cut_every = 0
+        self._last_cut = 0
+        self._cuts: deque[tuple[int, tuple[int, dict[str, torch.Tensor], dict]]] = deque()
 
     # -- membership -------------------------------------------------------------------------
 
@@ -292,7 +299,37 @@ class ShardStore:
         if job is not None and job.consistency.mode is Mode.SYNC and self._received:
             if self._live_contributors() >= self._quorum():
                 self._apply_aggregate()
+        self._maybe_cut()
         self._changed.notify_all()
+
+    def _maybe_cut(self) -> None:
+        # Caller holds _lock.
+        if not self._cut_every or self._state is not ShardState.READY:
+            return
+        clock = self._current_clock()
+        due = clock - clock % self._cut_every
+        if due > self._last_cut:
+            self._last_cut = due
+            if len(self._cuts) == 2:
+                dropped, _ = self._cuts.popleft()
+                log.warning("checkpoint %d dropped unwritten: the writer is %d steps behind", dropped, clock - dropped)
+            self._cuts.append((due, self._export()))
+
+    def checkpoint_every(self, steps: int) -> None:
+        """Copy the state for a checkpoint each time the clock reaches a multiple of ``steps``
+        (0: never); :meth:`next_cut` hands the copies to the writer."""
+        with self._lock:
+            self._cut_every = steps
+            clock = self._current_clock()
+            self._last_cut = max(self._last_cut, clock - clock % steps if steps else 0)
+
+    def next_cut(self, timeout: float) -> tuple[int, tuple[int, dict[str, torch.Tensor], dict]] | None:
+        """The oldest state copied for a checkpoint, as ``(checkpoint id, export())``, waiting up
+        to ``timeout`` seconds for one; None if there is none."""
+        with self._changed:
+            if not self._cuts:
+                self._changed.wait(timeout)
+            return self._cuts.popleft() if self._cuts else None
 
     # -- uploads ----------------------------------------------------------------------------
 
@@ -633,37 +670,42 @@ class ShardStore:
         with self._lock:
             if self._state is not ShardState.READY or self._job is None:
                 raise NotReadyError("nothing to checkpoint: the shard is not initialised")
-            tensors: dict[str, torch.Tensor] = {}
-            for key, slot in self._slots.items():
-                tensors[f"var/{key}"] = slot.value.clone()
-                for name, t in slot.state.items():
-                    tensors[f"opt/{key}/{name}"] = t.clone()
-            for key, total in self._sums.items():
-                tensors[f"sum/{key}"] = total.clone()
-            metadata = {
-                "format": snapshot.FORMAT,
-                "job": snapshot.encode_job(self._job),
-                "version": self._version,
-                "clock": self._current_clock(),
-                "clock_floor": self._clock_floor,
-                "open_clock": self._open_clock,
-                "received": self._received,
-                "contributors": sorted(self._contributors),
-                "counts": dict(self._counts),
-                "slot_versions": {k: s.version for k, s in self._slots.items()},
-                "next_worker_id": self._next_worker_id,
-                "workers": [
-                    {"name": w.name, "id": w.worker_id, "generation": w.generation, "clock": w.clock,
-                     "live": w.live, "evicted": w.evicted, "pushes": w.pushes, "max_sequence": w.max_sequence,
-                     "applied": [[q, r.version, r.staleness, r.action.value] for q, r in w.applied.items()],
-                     "data": w.data}
-                    for w in self._workers.values()
-                ],
-                "counters": {"pushes_applied": self._pushes_applied, "pushes_dropped": self._pushes_dropped,
-                             "pushes_scaled": self._pushes_scaled, "max_staleness": self._max_staleness,
-                             "staleness_histogram": list(self._staleness_counts)},
-            }
-            return self._version, tensors, metadata
+            return self._export()
+
+    def _export(self) -> tuple[int, dict[str, torch.Tensor], dict]:
+        # Caller holds _lock; the shard is ready.
+        assert self._job is not None
+        tensors: dict[str, torch.Tensor] = {}
+        for key, slot in self._slots.items():
+            tensors[f"var/{key}"] = slot.value.clone()
+            for name, t in slot.state.items():
+                tensors[f"opt/{key}/{name}"] = t.clone()
+        for key, total in self._sums.items():
+            tensors[f"sum/{key}"] = total.clone()
+        metadata = {
+            "format": snapshot.FORMAT,
+            "job": snapshot.encode_job(self._job),
+            "version": self._version,
+            "clock": self._current_clock(),
+            "clock_floor": self._clock_floor,
+            "open_clock": self._open_clock,
+            "received": self._received,
+            "contributors": sorted(self._contributors),
+            "counts": dict(self._counts),
+            "slot_versions": {k: s.version for k, s in self._slots.items()},
+            "next_worker_id": self._next_worker_id,
+            "workers": [
+                {"name": w.name, "id": w.worker_id, "generation": w.generation, "clock": w.clock,
+                 "live": w.live, "evicted": w.evicted, "pushes": w.pushes, "max_sequence": w.max_sequence,
+                 "applied": [[q, r.version, r.staleness, r.action.value] for q, r in w.applied.items()],
+                 "data": w.data}
+                for w in self._workers.values()
+            ],
+            "counters": {"pushes_applied": self._pushes_applied, "pushes_dropped": self._pushes_dropped,
+                         "pushes_scaled": self._pushes_scaled, "max_staleness": self._max_staleness,
+                         "staleness_histogram": list(self._staleness_counts)},
+        }
+        return self._version, tensors, metadata
 
     def restore(self, tensors: dict[str, torch.Tensor], metadata: dict, *, source: str) -> None:
         """Replace this (empty) shard's state with a checkpoint's, after verifying all of it.
@@ -715,6 +757,8 @@ class ShardStore:
             self._max_staleness = int(counters.get("max_staleness", 0))
             self._staleness_counts = list(counters.get("staleness_histogram", self._staleness_counts))
             self._state = ShardState.READY
+            every = self._cut_every
+            self._last_cut = max(self._last_cut, self._clock_floor - self._clock_floor % every if every else 0)
             self._changed.notify_all()
         log.info("restored from %s: version %d, clock %d, %d workers fenced until they re-register",
                  source, self._version, self._clock_floor, len(workers))

@@ -22,15 +22,15 @@ STEPS = 1000
 KILL_AT = 500
 
 
-def _workers(ps: str, mode: str) -> list[subprocess.Popen]:
+def _workers(ps: str, mode: str, count: int) -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "psworker", "--ps", ps, "--worker-index", str(i), "--num-workers", "2",
+            [sys.executable, "-m", "psworker", "--ps", ps, "--worker-index", str(i), "--num-workers", str(count),
              "--threads", "1", "--progress", "log", "--task", "mnist1d-mlp", "--steps", str(STEPS),
              "--mode", mode],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
         )
-        for i in range(2)
+        for i in range(count)
     ]
 
 
@@ -54,7 +54,7 @@ def _accuracy(ps: str) -> float:
     return evaluate_job(ps, "mnist1d-mlp")["test_accuracy"]
 
 
-def _run(directory: Path, mode: str, *, kill: bool) -> tuple[float, list[dict], float]:
+def _run(directory: Path, mode: str, count: int, *, kill: bool) -> tuple[float, list[dict], float]:
     """Train the job on two shards; with ``kill``, SIGKILL shard 1 once both shards passed
     version ``KILL_AT`` and restart it with --restore on the same port. Returns the final test
     accuracy, the workers' results and the seconds from the kill until the shard served again."""
@@ -67,7 +67,7 @@ def _run(directory: Path, mode: str, *, kill: bool) -> tuple[float, list[dict], 
     recovered = 0.0
     try:
         ps = ",".join(s.address for s in shards)
-        workers = _workers(ps, mode)
+        workers = _workers(ps, mode, count)
         if kill:
             deadline = time.monotonic() + 300
             while min(_versions(ps)) < KILL_AT:
@@ -85,7 +85,7 @@ def _run(directory: Path, mode: str, *, kill: bool) -> tuple[float, list[dict], 
             recovered = time.monotonic() - killed
             assert "restored checkpoint" in restarted.log(), restarted.log()
         results = _finish(workers)
-        assert [r["steps"] for r in results] == [STEPS, STEPS]
+        assert [r["steps"] for r in results] == [STEPS] * count
         if kill:
             assert sum(r["rejoins"] for r in results) >= 1, "workers should have re-registered after the restore"
         return _accuracy(ps), results, recovered
@@ -94,13 +94,25 @@ def _run(directory: Path, mode: str, *, kill: bool) -> tuple[float, list[dict], 
             s.stop()
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_killed_shard_restores_and_training_rides_through(tmp_path, mode):
-    baseline, _, _ = _run(tmp_path / "uninterrupted", mode, kill=False)
-    interrupted, results, recovered = _run(tmp_path / "interrupted", mode, kill=True)
-    print(f"{mode}: shard back {recovered:.2f}s after SIGKILL; final accuracy {interrupted:.3f} "
-          f"vs {baseline:.3f} uninterrupted; rejoins {[r['rejoins'] for r in results]}")
-    # Uninterrupted runs of this job themselves end anywhere in 0.62-0.69 (in async the
-    # interleaving, in sync how many steps the first worker took alone before the second
-    # joined), so one pair of runs cannot resolve 2 points; 6 is what it can hold to reliably.
-    assert abs(interrupted - baseline) <= 0.06, (interrupted, baseline)
+@pytest.mark.parametrize(
+    ("mode", "count", "tolerance"),
+    [
+        # One sync worker is deterministic: an uninterrupted run always ends at the same
+        # accuracy, so the comparison shows the fault's own effect (a rollback of at most one
+        # checkpoint interval on one shard), and the promise of 2 points is held to.
+        ("sync", 1, 0.02),
+        # With two workers, uninterrupted runs themselves end anywhere in 0.62-0.69 (in async
+        # the interleaving, in sync how many steps the first worker took alone before the
+        # second joined), so one pair of runs cannot resolve 2 points; these check that both
+        # workers ride through and the run ends where uninterrupted runs do.
+        ("async", 2, 0.06),
+        ("sync", 2, 0.06),
+    ],
+    ids=["sync-1-worker", "async-2-workers", "sync-2-workers"],
+)
+def test_killed_shard_restores_and_training_rides_through(tmp_path, mode, count, tolerance):
+    baseline, _, _ = _run(tmp_path / "uninterrupted", mode, count, kill=False)
+    interrupted, results, recovered = _run(tmp_path / "interrupted", mode, count, kill=True)
+    print(f"{mode}, {count} worker(s): shard back {recovered:.2f}s after SIGKILL; final accuracy "
+          f"{interrupted:.3f} vs {baseline:.3f} uninterrupted; rejoins {[r['rejoins'] for r in results]}")
+    assert abs(interrupted - baseline) <= tolerance, (interrupted, baseline)

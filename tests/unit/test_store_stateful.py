@@ -664,3 +664,19 @@ def test_sync_clock_waits_for_live_workers_after_a_contributor_leaves():
     assert _step(store, b, 0, 1, 5.0).action is PushAction.ACCUMULATE
     assert store.status()["version"] == 1
     torch.testing.assert_close(store.tensor("v"), torch.full((2,), -3.0, dtype=F64))
+
+
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.ASYNC])
+def test_checkpoint_cuts_copy_the_state_the_moment_the_clock_reaches_each_multiple(mode):
+    """The writer may run late; a cut still holds the state at its clock, never a later one."""
+    store, workers = _job(Consistency(mode=mode), "a")
+    store.checkpoint_every(2)
+    a = workers["a"]
+    for clock in range(5):  # clocks 1..5 reached; cuts at 2 and 4
+        _step(store, a, clock, clock + 1, 1.0)
+    cuts = [store.next_cut(timeout=0.0) for _ in range(3)]
+    assert cuts[2] is None
+    for (checkpoint_id, (version, tensors, metadata)), expected in zip(cuts[:2], (2, 4)):
+        assert checkpoint_id == metadata["clock"] == version == expected
+        torch.testing.assert_close(tensors["var/v"], torch.full((2,), -1.0 * expected, dtype=F64))
+    assert store.status()["version"] == 5
