@@ -136,3 +136,16 @@ def test_a_pull_waiting_on_the_bound_ends_when_its_registration_is_void():
     reader.join(timeout=10)
     assert not reader.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], FencedError), outcome
+
+
+def test_a_shard_that_lost_its_state_fences_its_former_workers():
+    """A shard restarted without a checkpoint knows no job and no workers: their pushes and
+    pulls are told to register again (which re-initialises it) instead of failing or waiting."""
+    store = ShardStore(lease_timeout=5.0)
+    with pytest.raises(FencedError, match="register again"):
+        store.upload_parts([PART], initialize=False)
+    with pytest.raises(FencedError, match="register again"):
+        store.pull({}, chunk_bytes=1024, timeout=5.0, worker_id=3, generation=1, clock=-1)
+    # A fresh worker (no id yet) and an initialisation are not fenced: they define the job.
+    fresh = store.register(_reg("a", Consistency()))
+    assert fresh.must_initialize
