@@ -34,9 +34,10 @@ class Schedule:
     every: int
     unit: str  # "seconds" or "steps"
 
-    def due_id(self, now: float, clock: int) -> int:
-        value = int(now) if self.unit == "seconds" else clock
-        return value - value % self.every
+    def due_id(self, now: float) -> int:
+        """The id a seconds schedule is due to write at wall-clock ``now`` (steps schedules are
+        cut by the store, see ``ShardStore.checkpoint_every``)."""
+        return int(now) - int(now) % self.every
 
 
 def parse_schedule(text: str) -> Schedule | None:
@@ -137,7 +138,7 @@ class Checkpointer:
                     continue
                 if self._stopped.wait(timeout=0.5):
                     break
-                due = self._schedule.due_id(self._now(), 0)
+                due = self._schedule.due_id(self._now())
                 if due > self.last_id:
                     self.checkpoint(due)
             except NotReadyError:

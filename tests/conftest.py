@@ -87,6 +87,21 @@ def shards(tmp_path):
         shard.stop()
 
 
+def wait_until(predicate, timeout: float, pace: subprocess.Popen, what: str):
+    """Poll ``predicate`` until it returns something truthy (returned), failing after
+    ``timeout`` seconds; each pause waits on ``pace``, so it ends early if that process exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        try:
+            pace.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def run_cli(*argv: str, timeout: float = 300.0, **kw) -> subprocess.CompletedProcess:
     """Run a console entry point module (``psworker``, ``psctl`` ...) to completion."""
     return subprocess.run(

@@ -54,38 +54,29 @@ def _state(ckpt: Path) -> list[tuple[int, dict[str, torch.Tensor], dict]]:
     return parts
 
 
-def _stop(shards) -> None:
-    for shard in shards:
-        shard.stop()
+def _run(directory: Path, name: str, steps: int, checkpoint_id: int, *extra: str) -> dict:
+    """Start the shards (with ``extra`` flags), train one worker to ``steps``, write checkpoint
+    ``checkpoint_id`` and stop every shard. Returns the worker's result."""
+    shards = _cluster(directory, name, directory / "ckpt", *extra)
+    try:
+        if "--restore" in extra:
+            assert all("restored checkpoint" in s.log() for s in shards)
+        ps = ",".join(s.address for s in shards)
+        result = _train(ps, steps)
+        _checkpoint(ps, checkpoint_id)
+        return result
+    finally:
+        for shard in shards:
+            shard.stop()
 
 
 def test_k_steps_restore_and_the_rest_equals_n_steps_straight(tmp_path):
     straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
     straight_dir.mkdir(), resumed_dir.mkdir()
 
-    shards = _cluster(straight_dir, "shard", straight_dir / "ckpt")
-    try:
-        ps = ",".join(s.address for s in shards)
-        straight = _train(ps, N)
-        _checkpoint(ps, FINAL_ID)
-    finally:
-        _stop(shards)
-
-    shards = _cluster(resumed_dir, "first", resumed_dir / "ckpt")
-    try:
-        ps = ",".join(s.address for s in shards)
-        first = _train(ps, K)
-        _checkpoint(ps, K)
-    finally:
-        _stop(shards)  # the whole cluster goes down
-    shards = _cluster(resumed_dir, "second", resumed_dir / "ckpt", "--restore")
-    try:
-        assert all("restored checkpoint" in s.log() for s in shards)
-        ps = ",".join(s.address for s in shards)
-        rest = _train(ps, N)
-        _checkpoint(ps, FINAL_ID)
-    finally:
-        _stop(shards)
+    _run(straight_dir, "shard", N, FINAL_ID)
+    first = _run(resumed_dir, "first", K, K)  # then the whole cluster goes down
+    rest = _run(resumed_dir, "second", N, FINAL_ID, "--restore")
 
     assert (first["first_step"], first["steps"]) == (1, K)
     assert (rest["first_step"], rest["steps"]) == (K + 1, N), "the restarted worker must resume at step k + 1"

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from psworker.client import ClientOptions, PSClient
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -33,19 +33,6 @@ def _status(ps: str):
         return client.status()
 
 
-def _wait_until(predicate, timeout: float, pace: subprocess.Popen, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        try:
-            pace.wait(timeout=0.1)  # paces the loop; returns early if that process ends
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def _result(proc: subprocess.Popen, timeout: float = 300) -> dict:
     return _result_and_log(proc, timeout)[0]
 
@@ -62,12 +49,12 @@ def test_killed_worker_is_evicted_within_the_lease_and_blocks_nobody(shards, mod
     ps = f"{a.address},{b.address}"
     victim = _worker(ps, 2, 3, "--mode", *mode, "--steps", "100000")
     others = [_worker(ps, i, 3, "--mode", *mode, "--steps", "200") for i in range(2)]
-    _wait_until(lambda: all(len([w for w in s.workers if w.live and w.pushes >= 1]) == 3 and s.clock >= 3
+    wait_until(lambda: all(len([w for w in s.workers if w.live and w.pushes >= 1]) == 3 and s.clock >= 3
                             for s in _status(ps)), 120, victim, "three pushing workers at clock 3")
     victim.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     victim.wait(timeout=30)
-    _wait_until(lambda: all(s.workers_evicted == 1 for s in _status(ps)), 4 * LEASE, others[0], "eviction")
+    wait_until(lambda: all(s.workers_evicted == 1 for s in _status(ps)), 4 * LEASE, others[0], "eviction")
     evict_seconds = time.monotonic() - killed_at
     # Lease plus one reaper period (a quarter lease) plus scheduling slack.
     assert evict_seconds <= LEASE * 1.25 + 1.5, evict_seconds
@@ -83,11 +70,11 @@ def test_frozen_worker_is_fenced_rejoins_and_nothing_is_applied_twice(shards):
     (a,) = shards(1, "--lease-timeout", str(LEASE))
     frozen = _worker(a.address, 0, 2, "--steps", "400", "--slowdown", "3")
     other = _worker(a.address, 1, 2, "--steps", "400", "--slowdown", "3")
-    _wait_until(lambda: all(s.version >= 20 and len([w for w in s.workers if w.pushes >= 1]) == 2
+    wait_until(lambda: all(s.version >= 20 and len([w for w in s.workers if w.pushes >= 1]) == 2
                             for s in _status(a.address)), 120, frozen, "20 updates from both workers")
     frozen.send_signal(signal.SIGSTOP)  # a paused process: no heartbeats, no pushes
     try:
-        _wait_until(lambda: _status(a.address)[0].workers_evicted == 1, 4 * LEASE, other, "eviction")
+        wait_until(lambda: _status(a.address)[0].workers_evicted == 1, 4 * LEASE, other, "eviction")
     finally:
         frozen.send_signal(signal.SIGCONT)
     (frozen_result, frozen_log), other_result = _result_and_log(frozen), _result(other)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from psworker.client import ClientOptions, PSClient
-from tests.conftest import ROOT, child_env, run_cli
+from tests.conftest import ROOT, child_env, run_cli, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -49,26 +49,13 @@ def _victim(ps: str) -> list:
     return _records(ps, VICTIM)
 
 
-def _wait_until(predicate, timeout: float, pace: subprocess.Popen, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        try:
-            pace.wait(timeout=0.1)  # paces the loop; returns early if that process ends
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def test_killed_worker_restarted_resumes_its_data_position(shards):
     a, b = shards(2)
     ps = f"{a.address},{b.address}"
     victim, other = _worker(ps, 0), _worker(ps, 1)
     try:
         # Killed a third of the way in, once it pushed to both shards (each holds some of the model).
-        _wait_until(lambda: len(v := _victim(ps)) == 2 and min(w.pushes for w in v) >= STEPS // 3,
+        wait_until(lambda: len(v := _victim(ps)) == 2 and min(w.pushes for w in v) >= STEPS // 3,
                     240, victim, f"{VICTIM} to push {STEPS // 3} steps")
         victim.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -80,7 +67,7 @@ def test_killed_worker_restarted_resumes_its_data_position(shards):
         assert reached < STEPS, "the victim finished before it was killed"
 
         victim = _worker(ps, 0)  # the same flags, so the same worker name
-        _wait_until(lambda: all(w.generation == 2 for w in _victim(ps)), 240, victim, "re-registration")
+        wait_until(lambda: all(w.generation == 2 for w in _victim(ps)), 240, victim, "re-registration")
         rejoined = time.monotonic() - killed_at
         result, log = _finish(victim)
         others, _ = _finish(other)
