@@ -19,6 +19,7 @@ __all__ = ["ServerConfig", "parse_args"]
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": 'Interface to bind. Loopback by default; containers bind 0.0.0.0 on an internal network.'})
     port: int = field(default=0, metadata={"help": 'TCP port; 0 picks a free one (it is logged and written to ``port_file``).'})
+    bulk_port: int = field(default=0, metadata={"help": 'TCP port of the bulk lanes, which carry the bytes of large pushes and pulls beside gRPC (on --host; workers learn it when they register); 0 picks a free one, -1 turns lanes off (every byte goes through gRPC).'})
     port_file: str | None = field(default=None, metadata={"help": 'If set, the bound port is written here (atomically) once the shard serves.'})
     threads: int = field(default=16, metadata={"help": 'gRPC handler threads; also the most RPCs served at once.'})
     max_concurrent_rpcs: int = field(default=64, metadata={"help": 'RPCs admitted at once (beyond ``threads`` they queue); more get RESOURCE_EXHAUSTED.'})
@@ -39,6 +40,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk_port must be in 0..65535, or -1 for no bulk lanes, got {self.bulk_port}")
         if self.threads < 1 or self.max_concurrent_rpcs < self.threads:
             raise ValueError("threads must be >= 1 and max_concurrent_rpcs >= threads")
         if self.chunk_bytes < 1024 or self.chunk_bytes > (4 << 20) - 4096:

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from psserver.checkpoint import CheckpointError
 from psserver.checkpointer import Checkpointer, parse_schedule
 from psserver.config import ServerConfig
+from psserver.lanes import LaneServer
 from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import ShardStore
 
@@ -39,6 +40,7 @@ class Shard:
     config: ServerConfig
     reaper: "_Reaper | None" = None
     checkpointer: "Checkpointer | None" = None
+    lanes: LaneServer | None = None
 
     @property
     def address(self) -> str:
@@ -52,6 +54,8 @@ class Shard:
         if self.checkpointer is not None:
             self.checkpointer.stop()
         self.server.stop(self.config.grace if grace is None else grace).wait(timeout=30)
+        if self.lanes is not None:
+            self.lanes.stop()
 
 
 class _Reaper:
@@ -116,23 +120,28 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     if port == 0:
         raise RuntimeError(f"cannot bind {target}")
     address = f"{config.host}:{port}"
+    lanes = None
+    if config.bulk_port >= 0:
+        lanes = LaneServer(config.host, config.bulk_port, max_bytes=config.max_request_bytes)
     servicer = ParameterServerServicer(
         store, address=address, chunk_bytes=config.chunk_bytes, max_request_bytes=config.max_request_bytes,
-        checkpointer=checkpointer,
+        checkpointer=checkpointer, lanes=lanes,
     )
     add_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if lanes is not None:
+        lanes.start()
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if config.port_file:
         _write_atomically(config.port_file, f"{port}\n")
-    log.info("psserver listening on %s", address)
+    log.info("psserver listening on %s%s", address, f", bulk lanes on port {lanes.port}" if lanes else "")
     reaper = _Reaper(store, lease) if lease else None
     if checkpointer is not None:
         checkpointer.start()
-    return Shard(server, port, store, health_servicer, config, reaper, checkpointer)
+    return Shard(server, port, store, health_servicer, config, reaper, checkpointer, lanes)
 
 
 def _write_atomically(path: str, text: str) -> None:

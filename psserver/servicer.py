@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 import torch
 
 from pswire import errors, frames
-from pswire.codec import ChunkAssembler, Part, on_wire, wire_dtype_from_proto
+from pswire.codec import ChunkAssembler, Part, on_wire, tensor_bytes, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
-from psserver.store import Registration, ShardStore
+from psserver.lanes import LaneServer
+from psserver.store import PullSnapshot, Registration, ShardStore
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_from_proto, optimizer_to_proto
 
 __all__ = ["INLINE_LIMIT", "ParameterServerServicer", "STATUS_CODES", "add_to_server"]
@@ -37,7 +38,8 @@ INLINE_LIMIT = 4 << 20
 """The most bytes a PullInline answers with; larger shards are pulled as a stream."""
 
 # Chunks skip protobuf both ways (pswire.frames): streamed requests are decoded to views of the
-# received bytes, and a pull's chunks are encoded straight from the variables' memory.
+# received bytes, and a pull's chunks are encoded straight from the variables' memory (the
+# snapshot holds the variables themselves until the stream ends).
 _REQUEST_DECODERS = {"Push": frames.decoder(ps_pb2.TensorMessage), "Initialize": frames.decoder(ps_pb2.TensorMessage)}
 _RESPONSE_ENCODERS = {"Pull": frames.serialize}
 
@@ -100,9 +102,11 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(
-        self, store: ShardStore, *, address: str, chunk_bytes: int, max_request_bytes: int, checkpointer=None
+        self, store: ShardStore, *, address: str, chunk_bytes: int, max_request_bytes: int, checkpointer=None,
+        lanes: LaneServer | None = None,
     ) -> None:
         self._store = store
+        self._lanes = lanes
         self._checkpointer = checkpointer
         self._address = address
         self._chunk_bytes = chunk_bytes
@@ -140,11 +144,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             consistency=consistency_to_proto(result.consistency),
             lease_seconds=result.lease_seconds,
             data=ps_pb2.DataPosition(**result.data) if result.data else None,
+            bulk_port=self._lanes.port if self._lanes is not None else 0,
         )
 
     def _receive(
         self, request_iterator: Iterator[ps_pb2.TensorMessage], *, initialize: bool
-    ) -> tuple[ps_pb2.TensorHeader, list[Part], list]:
+    ) -> tuple[ps_pb2.TensorHeader, list[Part], list, Callable[[], None]]:
         first = next(request_iterator, None)
         if not isinstance(first, ps_pb2.TensorMessage) or first.WhichOneof("kind") != "header":
             raise errors.InvalidArgumentError("the stream must start with a header")
@@ -156,15 +161,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     raise errors.InvalidArgumentError("only chunks may follow the header")
                 yield message
 
-        parts, values = self._assemble(header, chunks(), initialize=initialize)
-        return header, parts, values
+        return (header, *self._assemble(header, chunks(), initialize=initialize))
 
-    def _assemble(
-        self, header: ps_pb2.TensorHeader, chunks: Iterable[frames.Chunk], *, initialize: bool
-    ) -> tuple[list[Part], list[torch.Tensor]]:
-        """Validate the header's parts, then copy the chunks into place. A push's gradients land
-        in pooled buffers (given back by ``_push``) and, when compressed, are widened to the
-        variables' dtypes; initial values become the variables, so they get buffers of their own."""
+    def _expect(self, header: ps_pb2.TensorHeader, *, initialize: bool) -> tuple[list[Part], list[Part]]:
+        """The parts a push or initialisation announces, validated, and the same parts as they
+        travel (narrower when the worker compresses them)."""
         parts = self._store.upload_parts([Part.from_proto(p) for p in header.parts], initialize=initialize)
         wire = wire_dtype_from_proto(header.wire_dtype)
         if wire is not None and initialize:
@@ -175,6 +176,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise errors.TooLargeError(
                 f"request carries {total} bytes, above this shard's limit of {self._max_request_bytes}"
             )
+        return parts, sent
+
+    def _assemble(
+        self, header: ps_pb2.TensorHeader, chunks: Iterable[frames.Chunk], *, initialize: bool
+    ) -> tuple[list[Part], list[torch.Tensor], Callable[[], None]]:
+        """Validate the header's parts, then copy the chunks into place. A push's gradients land
+        in pooled buffers (given back by the returned release, once applied) and, when compressed,
+        are widened to the variables' dtypes; initial values become the variables, so they get
+        buffers of their own."""
+        parts, sent = self._expect(header, initialize=initialize)
         buffers = None if initialize else self._buffers.take(sent)
         try:
             assembler = ChunkAssembler(sent, buffers)
@@ -185,17 +196,58 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if buffers is not None:
                 self._buffers.give(sent, buffers)
             raise
+        if initialize:
+            return parts, received, lambda: None
+        return (parts, *self._widen(parts, sent, received, lambda: self._buffers.give(sent, received)))
+
+    def _widen(
+        self, parts: list[Part], sent: list[Part], received: list[torch.Tensor], release: Callable[[], None]
+    ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """``received`` in the variables' dtypes: as is when nothing was compressed, else in
+        pooled buffers (and ``received`` released at once)."""
         if all(s is p for s, p in zip(sent, parts)):  # nothing compressed: on_wire returned the parts
-            return parts, received
+            return received, release
         widened = self._buffers.take(parts)
         for full, narrow in zip(widened, received):
             full.copy_(narrow)
-        self._buffers.give(sent, received)
-        return parts, widened
+        release()
+        return widened, lambda: self._buffers.give(parts, widened)
+
+    def _staged(
+        self, header: ps_pb2.TensorHeader, bulk: ps_pb2.BulkRef, context: grpc.ServicerContext
+    ) -> tuple[list[Part], list[torch.Tensor], Callable[[], None]]:
+        """A push whose bytes were staged on a bulk lane: the gradients are views of the staged
+        buffer (no copy), which goes back to the lanes' pool on release."""
+        if self._lanes is None:
+            raise errors.PreconditionError("this shard has no bulk lanes (--bulk-port off): send the bytes inline")
+        parts, sent = self._expect(header, initialize=False)
+        total = sum(p.nbytes for p in sent)
+        if bulk.nbytes != total:
+            raise errors.InvalidArgumentError(f"bulk push names {bulk.nbytes} bytes, but its parts hold {total}")
+        remaining = context.time_remaining()
+        buffer = self._lanes.claim(bulk.lane, bulk.token, total, 30.0 if remaining is None else max(0.0, remaining))
+        views, copies, offset = [], [], 0
+        for part in sent:
+            piece = buffer[offset : offset + part.nbytes]
+            offset += part.nbytes
+            if piece.numel() and piece.data_ptr() % part.dtype.itemsize:  # misaligned for a view
+                own = self._buffers.take([part])[0]
+                tensor_bytes(own)[:] = piece.numpy()
+                copies.append((part, own))
+                views.append(own)
+            else:
+                views.append(piece.view(part.dtype).view(part.shape))
+
+        def release() -> None:
+            self._lanes.give_back(buffer)
+            for part, own in copies:
+                self._buffers.give([part], [own])
+
+        return (parts, *self._widen(parts, sent, views, release))
 
     def Initialize(self, request_iterator, context: grpc.ServicerContext) -> ps_pb2.InitializeResponse:
         try:
-            header, _, values = self._receive(request_iterator, initialize=True)
+            header, _, values, _ = self._receive(request_iterator, initialize=True)
             applied, version = self._store.initialize(header.worker_id, header.generation, values)
         except (errors.PSError, ValueError) as exc:
             log.warning("initialise refused: %s", exc)
@@ -204,33 +256,40 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         try:
-            header, parts, grads = self._receive(request_iterator, initialize=False)
+            header, parts, grads, release = self._receive(request_iterator, initialize=False)
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()
             log.warning("push refused: %s", exc)
             _abort(context, exc)
-        return self._push(context, header, parts, grads)
+        return self._push(context, header, parts, grads, release)
 
     def PushInline(self, request: ps_pb2.InlinePush, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         try:
-            if len(request.data) != len(request.header.parts):
-                raise errors.InvalidArgumentError(
-                    f"inline push carries {len(request.data)} tensors for {len(request.header.parts)} parts"
-                )
-            chunks = (frames.Chunk(index, 0, data) for index, data in enumerate(request.data))
-            parts, grads = self._assemble(request.header, chunks, initialize=False)
+            if request.HasField("bulk"):
+                if request.data:
+                    raise errors.InvalidArgumentError("a push staged on a bulk lane carries no inline data")
+                parts, grads, release = self._staged(request.header, request.bulk, context)
+            else:
+                if len(request.data) != len(request.header.parts):
+                    raise errors.InvalidArgumentError(
+                        f"inline push carries {len(request.data)} tensors for {len(request.header.parts)} parts"
+                    )
+                chunks = (frames.Chunk(index, 0, data) for index, data in enumerate(request.data))
+                parts, grads, release = self._assemble(request.header, chunks, initialize=False)
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()
             log.warning("push refused: %s", exc)
             _abort(context, exc)
-        return self._push(context, request.header, parts, grads)
+        return self._push(context, request.header, parts, grads, release)
 
     def PushPull(self, request: ps_pb2.PushPullRequest, context: grpc.ServicerContext) -> ps_pb2.PushPullResponse:
         pushed = self.PushInline(request.push, context)
         return ps_pb2.PushPullResponse(push=pushed, pull=self.PullInline(request.pull, context))
 
-    def _push(self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list) -> ps_pb2.PushResponse:
-        """Apply an assembled push; its buffers go back to the pool either way."""
+    def _push(
+        self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list, release: Callable[[], None]
+    ) -> ps_pb2.PushResponse:
+        """Apply an assembled push; its buffers are released either way."""
         try:
             result = self._store.apply_push(
                 header.worker_id, header.generation, header.sequence, header.base_version, parts, grads,
@@ -243,7 +302,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             log.warning("push refused: %s", exc)
             _abort(context, exc)
         finally:
-            self._buffers.give(parts, grads)
+            release()
         return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
 
     def Checkpoint(self, request: ps_pb2.CheckpointRequest, context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
@@ -271,16 +330,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         return ps_pb2.LeaveResponse()
 
-    def _snapshot(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext, *, inline: bool):
+    def _snapshot(
+        self, request: ps_pb2.PullRequest, context: grpc.ServicerContext
+    ) -> tuple[ps_pb2.PullHeader, PullSnapshot]:
+        """The pull's header and snapshot; the caller releases the snapshot once it is sent."""
         remaining = context.time_remaining()
         wait = 30.0 if remaining is None else max(0.0, remaining - 0.05)
         try:
-            wire = wire_dtype_from_proto(request.wire_dtype)
             snapshot = self._store.pull(
-                dict(request.known_versions), chunk_bytes=INLINE_LIMIT if inline else self._chunk_bytes,
-                timeout=wait, worker_id=request.worker_id, generation=request.generation,
-                clock=request.clock if request.worker_id else -1,
-                encode=None if inline else frames.encode_chunk, wire_dtype=wire,
+                dict(request.known_versions), timeout=wait, worker_id=request.worker_id,
+                generation=request.generation, clock=request.clock if request.worker_id else -1,
+                wire_dtype=wire_dtype_from_proto(request.wire_dtype),
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
@@ -289,24 +349,50 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             clock=snapshot.clock,
             wire_dtype=request.wire_dtype,
             parts=[
-                ps_pb2.PulledPart(spec=p.part.to_proto(), version=p.version, included=p.chunks is not None)
+                ps_pb2.PulledPart(spec=p.part.to_proto(), version=p.version, included=p.value is not None)
                 for p in snapshot.parts
             ],
         )
-        return header, snapshot.parts
+        return header, snapshot
 
     def Pull(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[ps_pb2.PullMessage | bytes]:
-        header, pulled = self._snapshot(request, context, inline=False)
-        yield ps_pb2.PullMessage(header=header)
-        for p in pulled:
-            yield from p.chunks or ()  # encoded chunk messages
+        header, snapshot = self._snapshot(request, context)
+        with snapshot:
+            yield ps_pb2.PullMessage(header=header)
+            step = self._chunk_bytes
+            for index, pulled in enumerate(snapshot.parts):  # chunks name the header's part index
+                if pulled.value is not None:
+                    view = tensor_bytes(pulled.value)
+                    for offset in range(0, len(view), step):  # encoded as the stream asks for them
+                        yield frames.encode_chunk(index, offset, view[offset : offset + step])
 
     def PullInline(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.InlinePull:
-        header, pulled = self._snapshot(request, context, inline=True)
-        data = [b"".join(p.chunks) for p in pulled if p.chunks is not None]
-        if sum(map(len, data)) > INLINE_LIMIT:
-            _abort(context, errors.TooLargeError(f"this shard holds over {INLINE_LIMIT} bytes: use Pull"))
-        return ps_pb2.InlinePull(header=header, data=data)
+        if request.HasField("bulk"):
+            return self._pull_on_lane(request, context)
+        header, snapshot = self._snapshot(request, context)
+        with snapshot:
+            views = [tensor_bytes(p.value) for p in snapshot.parts if p.value is not None]
+            if sum(map(len, views)) > INLINE_LIMIT:
+                _abort(context, errors.TooLargeError(f"this shard holds over {INLINE_LIMIT} bytes: use Pull"))
+            return ps_pb2.InlinePull(header=header, data=[bytes(v) for v in views])
+
+    def _pull_on_lane(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.InlinePull:
+        """Send the pull's header and bytes on the lane the request names, straight from the
+        variables, before answering."""
+        if self._lanes is None:
+            _abort(context, errors.PreconditionError("this shard has no bulk lanes (--bulk-port off): pull inline"))
+        header, snapshot = self._snapshot(request, context)
+        with snapshot:
+            views = [tensor_bytes(p.value) for p in snapshot.parts if p.value is not None]
+            remaining = context.time_remaining()
+            try:
+                self._lanes.deliver(
+                    request.bulk.lane, request.bulk.token, header.SerializeToString(), views,
+                    timeout=30.0 if remaining is None else remaining,
+                )
+            except errors.PSError as exc:
+                _abort(context, exc)
+        return ps_pb2.InlinePull(header=header, bulk_bytes=sum(len(v) for v in views))
 
     def Status(self, request: ps_pb2.StatusRequest, context: grpc.ServicerContext) -> ps_pb2.StatusResponse:
         s = self._store.status()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pswire.codec import Part, dtype_name, on_wire, tensor_bytes
+from pswire.codec import Part, dtype_name, on_wire
 from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from psserver import consistency as cons
 from psserver import snapshot
@@ -64,20 +64,33 @@ class PushResult:
 class PulledPart:
     part: Part
     version: int
-    chunks: list | None
-    """The part's bytes, cut into chunks (as the pull's ``encode`` made them); ``None`` when
-    skipped as unchanged."""
+    value: torch.Tensor | None
+    """The part's value as of the snapshot (``None`` when skipped as unchanged): the variable
+    itself, which the store leaves untouched until the snapshot is released, or a converted
+    copy when the pull asked for a narrower wire dtype."""
 
 
-def _chunk_bytes(index: int, offset: int, view: memoryview) -> bytes:
-    return bytes(view)
-
-
-@dataclass(frozen=True)
+@dataclass
 class PullSnapshot:
+    """A consistent view of the shard for one pull. Its values stay valid, and are not copied,
+    until :meth:`release` (an update meanwhile goes to a fresh copy of the variable)."""
+
     version: int
     clock: int
     parts: list[PulledPart]
+    _release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        """Let the store update the variables in place again; idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> "PullSnapshot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 @dataclass
@@ -86,6 +99,15 @@ class _Slot:
     value: torch.Tensor
     state: dict[str, torch.Tensor]
     version: int = 0
+    readers: int = 0
+    """Unreleased pull snapshots holding ``value`` itself: an update first replaces it with a
+    copy (copy on write), so a pull never copies the variables and never sees half a push."""
+
+    def writable(self) -> torch.Tensor:
+        """``value``, once no snapshot holds it (caller holds the store's lock)."""
+        if self.readers:
+            self.value, self.readers = self.value.clone(), 0
+        return self.value
 
 
 @dataclass
@@ -113,8 +135,9 @@ class ShardStore:
 
     Locking: ``_lock`` guards every attribute assigned after it in ``__init__``; ``_changed``
     is a condition on the same lock, notified whenever readiness, clocks or membership change.
-    The lock is held while an update is applied (a pull never sees half of a push) and while a
-    pull's bytes are copied out; never while waiting on the network.
+    The lock is held while an update is applied and while a pull takes its snapshot (it holds
+    the variables themselves; an update meanwhile goes to a copy), never while waiting on the
+    network.
     """
 
     def __init__(
@@ -457,7 +480,7 @@ class ShardStore:
                 self._version += 1
                 for part, grad in zip(parts, grads):
                     slot = self._slots[part.key]
-                    self._rule.apply(slot.value, grad, slot.state, lr_scale=decision.lr_scale)
+                    self._rule.apply(slot.writable(), grad, slot.state, lr_scale=decision.lr_scale)
                     slot.version = self._version
                 self._pushes_applied += 1
                 self._pushes_scaled += decision.action is PushAction.SCALE
@@ -495,7 +518,7 @@ class ShardStore:
             if count > 1:
                 total.div_(count)
             slot = self._slots[key]
-            self._rule.apply(slot.value, total, slot.state)
+            self._rule.apply(slot.writable(), total, slot.state)
             slot.version = self._version
         self._pushes_applied += 1
         self._record_staleness(0)
@@ -547,19 +570,16 @@ class ShardStore:
         self,
         known_versions: Mapping[str, int],
         *,
-        chunk_bytes: int,
         timeout: float,
         worker_id: int = 0,
         generation: int = 0,
         clock: int = -1,
-        encode: Callable[[int, int, memoryview], object] | None = None,
         wire_dtype: torch.dtype | None = None,
     ) -> PullSnapshot:
-        """A consistent snapshot of every part, cut into chunks; parts whose version equals
-        ``known_versions[key]`` are skipped. ``encode(part_index, offset, view)`` turns a chunk
-        into what is sent (a message, straight from the variable's memory: the one copy a pull
-        makes under the lock); by default the chunk's bytes. ``wire_dtype`` (float16/bfloat16):
-        floating-point parts are sent converted to it.
+        """A consistent snapshot of every part; parts whose version equals
+        ``known_versions[key]`` are skipped. The snapshot holds the variables themselves, without
+        a copy, until it is released (release it once its bytes are sent). ``wire_dtype``
+        (float16/bfloat16): floating-point parts come as copies converted to it.
 
         Waits up to ``timeout`` for initialisation and, for a registered worker reading at
         ``clock >= 0`` in ssp/sync, until the consistency bound lets it read. Such a training
@@ -585,20 +605,24 @@ class ShardStore:
                 if job.consistency.mode is not Mode.ASYNC:
                     self._wait_for_bound(job.consistency, reader, clock, deadline)
                     self._check_worker(worker_id, generation)  # it may have been evicted meanwhile
-            out = []
-            cut = encode or _chunk_bytes
-            for index, (key, slot) in enumerate(self._slots.items()):
-                if known_versions.get(key) == slot.version:
+            out, held = [], []
+            for slot in self._slots.values():
+                if known_versions.get(slot.part.key) == slot.version:
                     out.append(PulledPart(slot.part, slot.version, None))
-                    continue
-                value = slot.value
-                if on_wire(slot.part, wire_dtype) is not slot.part:
-                    value = value.to(wire_dtype)  # the snapshot copy, converted on the way
-                view = tensor_bytes(value)
-                chunks = [cut(index, i, view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
-                out.append(PulledPart(slot.part, slot.version, chunks))
+                elif on_wire(slot.part, wire_dtype) is not slot.part:
+                    out.append(PulledPart(slot.part, slot.version, slot.value.to(wire_dtype)))
+                else:
+                    slot.readers += 1
+                    held.append((slot, slot.value))
+                    out.append(PulledPart(slot.part, slot.version, slot.value))
             self._pulls_served += 1
-            return PullSnapshot(self._version, self._current_clock(), out)
+            return PullSnapshot(self._version, self._current_clock(), out, lambda: self._release(held))
+
+    def _release(self, held: list[tuple[_Slot, torch.Tensor]]) -> None:
+        with self._lock:
+            for slot, value in held:
+                if slot.value is value:  # else an update already moved to a copy
+                    slot.readers -= 1
 
     def _wait_for_bound(self, consistency: cons.Consistency, reader: _Worker, clock: int, deadline: float) -> None:
         # Caller holds _lock. Also ends when the reader is fenced off or leaves while it waits.

@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from pswire import errors, frames
+from pswire.lanes import LaneError
 from pswire.consistency import Consistency, Mode
 from pswire.codec import (
     DEFAULT_CHUNK_BYTES, WIRE_DTYPES, ChunkAssembler, Part, dtype_to_wire, on_wire, tensor_bytes, wire_dtype_from_proto,
@@ -24,6 +25,7 @@ from pswire.optim import OptimizerConfig
 from pswire.placement import Placement, VariableSpec, place
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_to_proto
+from psworker.lanes import Lane, LanePool
 
 __all__ = ["ClientOptions", "PSClient", "ShardClient", "parse_addresses"]
 
@@ -96,6 +98,9 @@ class ClientOptions:
     """Pushes and pulls of at most this many bytes to one shard go in a single message
     (PushInline / PullInline) instead of a stream, which costs a round of thread hand-offs
     per call; 0 always streams."""
+    bulk: bool = True
+    """Send the bytes of larger pushes and pulls on the shard's bulk lanes (plain TCP beside the
+    gRPC call, ``pswire.lanes``) when it offers them; False: every byte goes through gRPC."""
 
     def __post_init__(self) -> None:
         if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout) <= 0:
@@ -161,6 +166,7 @@ class ShardClient:
             ],
         )
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        self.lanes = LanePool(address.rpartition(":")[0].strip("[]"), enabled=options.bulk)
         self._narrow: dict[Part, torch.Tensor] = {}
         """Reused receive buffers of compressed parts (see ``ClientOptions.wire_dtype``)."""
         # The bulk methods with the chunk codecs of pswire.frames (the same bytes on the wire).
@@ -196,7 +202,9 @@ class ShardClient:
             raise _translate(exc, self.address) from exc
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterResponse:
-        return self._call(self._stub.Register, request)
+        reply = self._call(self._stub.Register, request)
+        self.lanes.set_port(reply.bulk_port)
+        return reply
 
     def status(self) -> ps_pb2.StatusResponse:
         return self._call(self._stub.Status, ps_pb2.StatusRequest())
@@ -215,11 +223,69 @@ class ShardClient:
         return self._call(self._initialize_stream, self._stream(header, buffers), nbytes=nbytes)
 
     def push(self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]) -> ps_pb2.PushResponse:
+        """Up to ``inline_bytes`` in one message; beyond, on a bulk lane, or else as a stream."""
         nbytes = sum(len(b) for b in buffers)
         if nbytes <= self.options.inline_bytes:
             request = ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers])
             return self._call(self._stub.PushInline, request, nbytes=nbytes)
-        return self._call(self._push_stream, self._stream(header, buffers), nbytes=nbytes)
+        lane = self.lanes.take()
+        if lane is None:
+            return self._call(self._push_stream, self._stream(header, buffers), nbytes=nbytes)
+        token = lane.next_token()
+        request = ps_pb2.InlinePush(header=header, bulk=ps_pb2.BulkRef(lane=lane.lane_id, token=token, nbytes=nbytes))
+        reply, _ = self._on_lane(lane, self._stub.PushInline, request, self.options.deadline(nbytes), (token, buffers))
+        return reply
+
+    def _on_lane(self, lane: Lane, method, request, timeout: float, stage=None, receive=None):
+        """One call whose bytes travel on ``lane``: ``stage`` (token, views) is sent before the
+        call, ``receive()`` reads what the shard sends on the lane while the call runs. Returns
+        ``(reply, received)``. The lane goes back to the pool after a success and is closed after
+        any failure; a broken lane is an ``UnavailableError`` (retried like a lost connection)."""
+        received = None
+        try:
+            if stage is not None:
+                lane.stage(*stage, timeout)
+            call = method.future(request, timeout=timeout, wait_for_ready=True)
+            if receive is not None:
+                # A call that fails never sends on the lane: wake the reader instead of waiting.
+                call.add_done_callback(lambda c: c.code() is not grpc.StatusCode.OK and lane.abort())
+                try:
+                    received = receive()
+                except (OSError, LaneError):
+                    if call.done():
+                        call.result()  # the call's own error explains the lane's
+                    call.cancel()
+                    raise
+            reply = call.result()
+        except grpc.RpcError as exc:
+            lane.close()
+            raise _translate(exc, self.address) from exc
+        except (OSError, LaneError) as exc:
+            lane.close()
+            raise errors.UnavailableError(f"shard {self.address}: bulk lane broke: {exc}") from exc
+        except BaseException:
+            lane.close()
+            raise
+        self.lanes.give(lane)
+        return reply, received
+
+    def _receive_on_lane(
+        self, lane: Lane, token: int, destinations: Mapping[str, torch.Tensor], timeout: float
+    ) -> tuple[ps_pb2.PullHeader, dict[str, int]]:
+        """Read a pull sent on ``lane`` straight into ``destinations`` (no copy unless compressed)."""
+        raw, nbytes = lane.receive_header(token, timeout)
+        header = ps_pb2.PullHeader.FromString(raw)
+        targets, versions = self._targets(header, destinations)
+        expected = sum(len(tensor_bytes(buffer)) for _, buffer in targets)
+        if expected != nbytes:
+            raise errors.PSError(f"shard {self.address} sent {nbytes} bytes on the lane for parts of {expected}")
+        for _, buffer in targets:
+            lane.receive_into(tensor_bytes(buffer))
+        for key, buffer in targets:
+            target = destinations[key]
+            if buffer.data_ptr() != target.data_ptr():
+                target.copy_(buffer)
+        return header, versions
 
     def leave(self, request: ps_pb2.LeaveRequest) -> None:
         self._call(self._stub.Leave, request)
@@ -239,6 +305,17 @@ class ShardClient:
         Returns the snapshot's header and the version of every part written. ``may_wait``: the
         shard may hold the pull on the consistency bound, so the deadline allows for that."""
         timeout = self._pull_deadline(nbytes, may_wait)
+        lane = self.lanes.take() if nbytes > self.options.inline_bytes else None
+        if lane is not None:
+            token = lane.next_token()
+            on_lane = ps_pb2.PullRequest()
+            on_lane.CopyFrom(request)
+            on_lane.bulk.CopyFrom(ps_pb2.BulkRef(lane=lane.lane_id, token=token))
+            _, received = self._on_lane(
+                lane, self._stub.PullInline, on_lane, timeout,
+                receive=lambda: self._receive_on_lane(lane, token, destinations, timeout),
+            )
+            return received
         try:
             if nbytes <= self.options.inline_bytes:
                 reply = self._stub.PullInline(request, timeout=timeout, wait_for_ready=True)
@@ -261,46 +338,76 @@ class ShardClient:
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest,
         destinations: Mapping[str, torch.Tensor], nbytes: int, *, may_wait: bool = False,
     ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int]]:
-        """A small push and the pull after it in one call (both within ``inline_bytes``)."""
+        """A push and the pull after it in one call: each side inline when within
+        ``inline_bytes``, else on a bulk lane. Without a lane for a larger side: a push, then a
+        pull (a retry repeats the push's sequence number either way, so it applies once)."""
         pushed = sum(len(b) for b in buffers)
-        call = ps_pb2.PushPullRequest(
-            push=ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers]), pull=request
-        )
-        try:
-            reply = self._stub.PushPull(call, timeout=self._pull_deadline(nbytes + pushed, may_wait), wait_for_ready=True)
+        limit = self.options.inline_bytes
+        lane = self.lanes.take() if pushed > limit or nbytes > limit else None
+        if lane is None and (pushed > limit or nbytes > limit):
+            return (self.push(header, buffers), *self.pull(request, destinations, nbytes, may_wait=may_wait))
+        timeout = self._pull_deadline(nbytes + pushed, may_wait)
+        call = ps_pb2.PushPullRequest(pull=request)
+        stage = receive = None
+        if pushed > limit:
+            stage = (lane.next_token(), buffers)
+            call.push.CopyFrom(ps_pb2.InlinePush(
+                header=header, bulk=ps_pb2.BulkRef(lane=lane.lane_id, token=stage[0], nbytes=pushed)
+            ))
+        else:
+            call.push.CopyFrom(ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers]))
+        if nbytes > limit:
+            token = lane.next_token()
+            call.pull.bulk.CopyFrom(ps_pb2.BulkRef(lane=lane.lane_id, token=token))
+            receive = lambda: self._receive_on_lane(lane, token, destinations, timeout)  # noqa: E731
+        if lane is None:
+            try:
+                reply = self._stub.PushPull(call, timeout=timeout, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                raise _translate(exc, self.address) from exc
             return (reply.push, *self._write_inline(reply.pull, destinations))
-        except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from exc
+        reply, received = self._on_lane(lane, self._stub.PushPull, call, timeout, stage, receive)
+        return (reply.push, *(received or self._write_inline(reply.pull, destinations)))
 
     def _pull_deadline(self, nbytes: int, may_wait: bool) -> float:
         return self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)
 
-    def _receiver(
+    def _targets(
         self, header: ps_pb2.PullHeader, destinations: Mapping[str, torch.Tensor]
-    ) -> tuple[ChunkAssembler, dict[int, int], dict[str, int]]:
-        """An assembler writing the parts the header includes into ``destinations``, the map of
-        header part indices to the included ones (skipped parts send no bytes), and versions."""
-        included: dict[int, int] = {}
-        parts, dests, versions = [], [], {}
+    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
+        """Where the bytes of each part the header includes land, in order, as (part key,
+        tensor): the destination itself, or a reused narrow buffer when the part travels
+        compressed (widened into the destination afterwards); and the version of each."""
+        targets, versions = [], {}
         wire = wire_dtype_from_proto(header.wire_dtype)
-        for index, pulled in enumerate(header.parts):
+        for pulled in header.parts:
             part = Part.from_proto(pulled.spec)
             if part.key not in destinations:
                 raise errors.PreconditionError(
                     f"shard {self.address} holds {part.key!r}, which this worker's placement does not put there"
                 )
-            if pulled.included:
-                included[index] = len(parts)
-                sent = on_wire(part, wire)
-                parts.append(sent)
-                if sent is part:
-                    dests.append(destinations[part.key])
-                else:  # compressed: received here, widened into the destination by _finish
-                    if sent not in self._narrow:
-                        self._narrow[sent] = torch.empty(sent.shape, dtype=sent.dtype)
-                    dests.append(self._narrow[sent])
-                versions[part.key] = pulled.version
-        return ChunkAssembler(parts, dests), included, versions
+            if not pulled.included:
+                continue
+            sent = on_wire(part, wire)
+            if sent is part:
+                targets.append((part.key, destinations[part.key]))
+            else:
+                if sent not in self._narrow:
+                    self._narrow[sent] = torch.empty(sent.shape, dtype=sent.dtype)
+                targets.append((part.key, self._narrow[sent]))
+            versions[part.key] = pulled.version
+        return targets, versions
+
+    def _receiver(
+        self, header: ps_pb2.PullHeader, destinations: Mapping[str, torch.Tensor]
+    ) -> tuple[ChunkAssembler, dict[int, int], dict[str, int]]:
+        """An assembler writing the parts the header includes into their targets, the map of
+        header part indices to the included ones (skipped parts send no bytes), and versions."""
+        targets, versions = self._targets(header, destinations)
+        included = [index for index, pulled in enumerate(header.parts) if pulled.included]
+        parts = [on_wire(Part.from_proto(header.parts[i].spec), wire_dtype_from_proto(header.wire_dtype)) for i in included]
+        assembler = ChunkAssembler(parts, [buffer for _, buffer in targets])
+        return assembler, {index: n for n, index in enumerate(included)}, versions
 
     @staticmethod
     def _finish(assembler: ChunkAssembler, destinations: Mapping[str, torch.Tensor]) -> None:
@@ -321,6 +428,7 @@ class ShardClient:
         return reply.header, versions
 
     def close(self) -> None:
+        self.lanes.close()
         self._channel.close()
 
 
@@ -605,30 +713,26 @@ class PSClient:
     ) -> list[ps_pb2.PushResponse | None]:
         """One training step's traffic: :meth:`push`, then :meth:`pull` into ``destinations``
         (waiting on the bound in ssp/sync). A shard whose push and pull both fit in
-        ``inline_bytes`` gets them as one call; the others as two. A retried call repeats the
-        push's sequence number, so the shard applies it once."""
+        ``inline_bytes``, or whose bulk lanes are open, gets them as one call; the others as two.
+        A retried call repeats the push's sequence number, so the shard applies it once."""
         sessions = self._require_sessions()
         may_wait = self.consistency.mode is not Mode.ASYNC
-        limit = self.options.inline_bytes
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
             message = self._push_message(session, grads, data)
             request, dest, nbytes = self._pull_request(
-                session, destinations, skip_unchanged=True, may_wait=may_wait, clock=session.clock + 1
+                session, destinations, skip_unchanged=True, may_wait=may_wait,
+                clock=session.clock + (message is not None),
             )
             address = session.client.address
-            if message is not None and nbytes <= limit and sum(len(b) for b in message[1]) <= limit:
+            reply = None
+            if message is not None:
                 reply, header, written = _retrying(
                     lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait),
                     self.options, address, "push and pull",
                 )
                 session.clock += 1
             else:
-                reply = None
-                if message is not None:
-                    reply = _retrying(lambda: session.client.push(*message), self.options, address, "push")
-                    session.clock += 1
-                request.clock = session.clock if may_wait else -1
                 header, written = _retrying(
                     lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
                 )

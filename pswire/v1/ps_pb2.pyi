@@ -103,7 +103,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds", "data")
+    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds", "data", "bulk_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MUST_INITIALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class RegisterResponse(_message.Message):
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     must_initialize: bool
@@ -120,7 +121,8 @@ class RegisterResponse(_message.Message):
     consistency: ConsistencySettings
     lease_seconds: float
     data: DataPosition
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class DataPosition(_message.Message):
     __slots__ = ("step", "epoch", "position")
@@ -173,12 +175,24 @@ class TensorMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class InlinePush(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "bulk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     header: TensorHeader
     data: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    bulk: BulkRef
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
+
+class BulkRef(_message.Message):
+    __slots__ = ("lane", "token", "nbytes")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    lane: int
+    token: int
+    nbytes: int
+    def __init__(self, lane: _Optional[int] = ..., token: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class InitializeResponse(_message.Message):
     __slots__ = ("applied", "version")
@@ -243,7 +257,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "generation", "known_versions", "clock", "wire_dtype")
+    __slots__ = ("worker_id", "generation", "known_versions", "clock", "wire_dtype", "bulk")
     class KnownVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -256,12 +270,14 @@ class PullRequest(_message.Message):
     KNOWN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     known_versions: _containers.ScalarMap[str, int]
     clock: int
     wire_dtype: DType
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., known_versions: _Optional[_Mapping[str, int]] = ..., clock: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    bulk: BulkRef
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., known_versions: _Optional[_Mapping[str, int]] = ..., clock: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
 
 class PulledPart(_message.Message):
     __slots__ = ("spec", "version", "included")
@@ -392,12 +408,14 @@ class StatusResponse(_message.Message):
     def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
 
 class InlinePull(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "bulk_bytes")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BULK_BYTES_FIELD_NUMBER: _ClassVar[int]
     header: PullHeader
     data: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    bulk_bytes: int
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ..., bulk_bytes: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
     __slots__ = ("push", "pull")

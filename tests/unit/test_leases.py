@@ -52,7 +52,7 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
     # a pushes clock 0; its next pull (clock 1) must wait for b, still at clock 0.
     store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [torch.ones(2)], clock=0, base_clock=0)
     with pytest.raises(DeadlineError, match="waiting for b"):
-        store.pull({}, chunk_bytes=1024, timeout=0.0, worker_id=a.worker_id, generation=a.generation, clock=1)
+        store.pull({}, timeout=0.0, worker_id=a.worker_id, generation=a.generation, clock=1)
 
     clock.now += 3.0
     assert store.heartbeat(a.worker_id, a.generation) == 5.0
@@ -65,7 +65,7 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
         "a": (True, False), "b": (False, True)}
 
     # b no longer holds a back.
-    snapshot = store.pull({}, chunk_bytes=1024, timeout=0.0, worker_id=a.worker_id, generation=a.generation, clock=1)
+    snapshot = store.pull({}, timeout=0.0, worker_id=a.worker_id, generation=a.generation, clock=1)
     assert snapshot.clock == 1
 
     # b's late push and heartbeat are fenced off; nothing changes.
@@ -76,7 +76,7 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
         store.heartbeat(b.worker_id, b.generation)
     # ... and so is its training pull, which would otherwise wait on a clock nobody advances.
     with pytest.raises(FencedError, match="evicted"):
-        store.pull({}, chunk_bytes=1024, timeout=0.0, worker_id=b.worker_id, generation=b.generation, clock=1)
+        store.pull({}, timeout=0.0, worker_id=b.worker_id, generation=b.generation, clock=1)
     assert store.status()["version"] == version
 
     # b re-registers: a new generation, starting at the shard's clock.
@@ -122,7 +122,7 @@ def test_a_pull_waiting_on_the_bound_ends_when_its_registration_is_void():
 
     def waiting_pull() -> None:
         try:
-            store.pull({}, chunk_bytes=1024, timeout=30.0, worker_id=a.worker_id, generation=a.generation, clock=1)
+            store.pull({}, timeout=30.0, worker_id=a.worker_id, generation=a.generation, clock=1)
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome.append(exc)
 
@@ -145,7 +145,7 @@ def test_a_shard_that_lost_its_state_fences_its_former_workers():
     with pytest.raises(FencedError, match="register again"):
         store.upload_parts([PART], initialize=False)
     with pytest.raises(FencedError, match="register again"):
-        store.pull({}, chunk_bytes=1024, timeout=5.0, worker_id=3, generation=1, clock=-1)
+        store.pull({}, timeout=5.0, worker_id=3, generation=1, clock=-1)
     # A fresh worker (no id yet) and an initialisation are not fenced: they define the job.
     fresh = store.register(_reg("a", Consistency()))
     assert fresh.must_initialize

@@ -38,7 +38,6 @@ MACHINE = settings(max_examples=75, stateful_step_count=40, deadline=None)
 SGD = OptimizerConfig(name="sgd", lr=1.0)
 F64 = torch.float64
 NAMES = ("w0", "w1", "w2", "w3")
-CHUNK_BYTES = 7  # not a multiple of 8: float64 elements straddle chunks
 DEDUPE_WINDOW = 8  # small, so that retries of forgotten pushes happen too
 WORKER_FIELDS = ("worker_id", "worker_name", "generation", "pushes", "clock", "live")
 COUNTERS = (
@@ -87,12 +86,6 @@ def registration(name: str, parts: list[Part], consistency: Consistency) -> Regi
     )
 
 
-def decode(part: Part, chunks: list[bytes]) -> torch.Tensor:
-    data = bytearray(b"".join(chunks))
-    assert len(data) == part.nbytes
-    return torch.frombuffer(data, dtype=part.dtype).reshape(part.shape)
-
-
 # -- the model --------------------------------------------------------------------------------
 
 
@@ -131,6 +124,8 @@ class StoreMachine(RuleBasedStateMachine):
     @initialize(data=st.data(), parts=part_specs(), workers=st.integers(2, 4), early=st.booleans())
     def setup(self, data, parts, workers, early):
         self.cons: Consistency = data.draw(self.CONSISTENCY, label="consistency")
+        self.held: list = []
+        """Unreleased pull snapshots and copies of their values when taken."""
         self.mode = self.cons.mode
         self.parts = parts
         self.keys = [p.key for p in parts]
@@ -331,7 +326,7 @@ class StoreMachine(RuleBasedStateMachine):
         decision = decide_pull(self.cons, clock, members, self.open_clock)
         assert decision.proceed == proceed
         known = dict(worker.known) if use_known else {}
-        call = dict(chunk_bytes=CHUNK_BYTES, timeout=0.0, worker_id=worker.worker_id,
+        call = dict(timeout=0.0, worker_id=worker.worker_id,
                     generation=worker.generation, clock=clock)
         if not proceed:
             event("pull refused")
@@ -346,6 +341,9 @@ class StoreMachine(RuleBasedStateMachine):
                 assert f"waiting for {slowest[1]}" in message
             return False
         snapshot = self.store.pull(known, **call)
+        self.held.append((snapshot, {p.part.key: p.value.clone() for p in snapshot.parts if p.value is not None}))
+        if len(self.held) > 2:  # the oldest is sent by now; the others stay held across updates
+            self.held.pop(0)[0].release()
         self.pulls_served += 1
         assert snapshot.version == self.version
         assert snapshot.clock == self.current_clock()
@@ -354,11 +352,10 @@ class StoreMachine(RuleBasedStateMachine):
             key = pulled.part.key
             assert pulled.version == self.part_version[key]
             if known.get(key) == pulled.version:
-                assert pulled.chunks is None
+                assert pulled.value is None
             else:
-                assert pulled.chunks is not None
-                assert all(len(chunk) <= CHUNK_BYTES for chunk in pulled.chunks)
-                torch.testing.assert_close(decode(pulled.part, pulled.chunks), self.params[key])
+                assert pulled.value is not None
+                torch.testing.assert_close(pulled.value, self.params[key])
         worker.pulled = Pulled(snapshot.version, snapshot.clock, clock, worker.generation)
         worker.known = {p.part.key: p.version for p in snapshot.parts}
         return True
@@ -553,6 +550,14 @@ class StoreMachine(RuleBasedStateMachine):
         )
 
     @invariant()
+    def held_snapshots_never_change(self):
+        """A pull's snapshot holds the variables without a copy; updates go to copies meanwhile."""
+        for snapshot, values in self.held:
+            for pulled in snapshot.parts:
+                if pulled.value is not None:
+                    torch.testing.assert_close(pulled.value, values[pulled.part.key], rtol=0, atol=0)
+
+    @invariant()
     def variables_equal_the_reference(self):
         for key in self.keys:
             torch.testing.assert_close(self.store.tensor(key), self.params[key])
@@ -620,7 +625,7 @@ def _job(consistency: Consistency, *names: str) -> tuple[ShardStore, dict[str, R
 
 
 def _step(store: ShardStore, worker: RegisterResult, clock: int, sequence: int, grad: float) -> PushResult:
-    snapshot = store.pull({}, chunk_bytes=64, timeout=0.0, worker_id=worker.worker_id,
+    snapshot = store.pull({}, timeout=0.0, worker_id=worker.worker_id,
                           generation=worker.generation, clock=clock)
     return store.apply_push(
         worker.worker_id, worker.generation, sequence, snapshot.version, ONE, [torch.full((2,), grad, dtype=F64)],
