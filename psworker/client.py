@@ -168,6 +168,7 @@ class ShardClient:
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         self.lanes = LanePool(address.rpartition(":")[0].strip("[]"), enabled=options.bulk)
         self._narrow: dict[Part, torch.Tensor] = {}
+        self._parts: dict[tuple, Part] = {}
         """Reused receive buffers of compressed parts (see ``ClientOptions.wire_dtype``)."""
         # The bulk methods with the chunk codecs of pswire.frames (the same bytes on the wire).
         path = f"/{SERVICE}/"
@@ -276,15 +277,12 @@ class ShardClient:
         raw, nbytes = lane.receive_header(token, timeout)
         header = ps_pb2.PullHeader.FromString(raw)
         targets, versions = self._targets(header, destinations)
-        expected = sum(len(tensor_bytes(buffer)) for _, buffer in targets)
+        expected = sum(sent.nbytes for _, sent, _ in targets)
         if expected != nbytes:
             raise errors.PSError(f"shard {self.address} sent {nbytes} bytes on the lane for parts of {expected}")
-        for _, buffer in targets:
+        for _, _, buffer in targets:
             lane.receive_into(tensor_bytes(buffer))
-        for key, buffer in targets:
-            target = destinations[key]
-            if buffer.data_ptr() != target.data_ptr():
-                target.copy_(buffer)
+        self._widen(targets, destinations)
         return header, versions
 
     def leave(self, request: ps_pb2.LeaveRequest) -> None:
@@ -324,12 +322,16 @@ class ShardClient:
             first = next(stream, None)
             if not isinstance(first, ps_pb2.PullMessage) or first.WhichOneof("kind") != "header":
                 raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
-            assembler, included, versions = self._receiver(first.header, destinations)
+            targets, versions = self._targets(first.header, destinations)
+            # Chunks name the header's part index; skipped parts send none.
+            included = {i: n for n, i in enumerate(i for i, p in enumerate(first.header.parts) if p.included)}
+            assembler = ChunkAssembler([sent for _, sent, _ in targets], [buffer for _, _, buffer in targets])
             for chunk in stream:
                 if not isinstance(chunk, frames.Chunk) or chunk.part_index not in included:
                     raise errors.PSError(f"shard {self.address} sent a chunk of a part not in its header")
                 assembler.add(frames.Chunk(included[chunk.part_index], chunk.offset, chunk.data))
-            self._finish(assembler, destinations)
+            assembler.finish()
+            self._widen(targets, destinations)
             return first.header, versions
         except grpc.RpcError as exc:
             raise _translate(exc, self.address) from exc
@@ -372,16 +374,26 @@ class ShardClient:
     def _pull_deadline(self, nbytes: int, may_wait: bool) -> float:
         return self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)
 
+    def _part(self, spec: ps_pb2.PartSpec) -> Part:
+        """``Part.from_proto``, remembered: a shard sends the same few parts on every pull."""
+        key = (spec.name, spec.dtype, spec.row_start, spec.row_end, tuple(spec.full_shape))
+        part = self._parts.get(key)
+        if part is None:
+            if len(self._parts) > 4096:
+                self._parts.clear()
+            part = self._parts[key] = Part.from_proto(spec)
+        return part
+
     def _targets(
         self, header: ps_pb2.PullHeader, destinations: Mapping[str, torch.Tensor]
-    ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, int]]:
-        """Where the bytes of each part the header includes land, in order, as (part key,
-        tensor): the destination itself, or a reused narrow buffer when the part travels
-        compressed (widened into the destination afterwards); and the version of each."""
+    ) -> tuple[list[tuple[str, Part, torch.Tensor]], dict[str, int]]:
+        """Where the bytes of each part the header includes land, in order, as (part key, part
+        as sent, tensor): the destination itself, or a reused narrow buffer when the part
+        travels compressed (widened into the destination by ``_widen``); and each one's version."""
         targets, versions = [], {}
-        wire = wire_dtype_from_proto(header.wire_dtype)
+        wire = wire_dtype_from_proto(header.wire_dtype) if header.wire_dtype else None
         for pulled in header.parts:
-            part = Part.from_proto(pulled.spec)
+            part = self._part(pulled.spec)
             if part.key not in destinations:
                 raise errors.PreconditionError(
                     f"shard {self.address} holds {part.key!r}, which this worker's placement does not put there"
@@ -390,41 +402,32 @@ class ShardClient:
                 continue
             sent = on_wire(part, wire)
             if sent is part:
-                targets.append((part.key, destinations[part.key]))
+                targets.append((part.key, part, destinations[part.key]))
             else:
                 if sent not in self._narrow:
                     self._narrow[sent] = torch.empty(sent.shape, dtype=sent.dtype)
-                targets.append((part.key, self._narrow[sent]))
+                targets.append((part.key, sent, self._narrow[sent]))
             versions[part.key] = pulled.version
         return targets, versions
 
-    def _receiver(
-        self, header: ps_pb2.PullHeader, destinations: Mapping[str, torch.Tensor]
-    ) -> tuple[ChunkAssembler, dict[int, int], dict[str, int]]:
-        """An assembler writing the parts the header includes into their targets, the map of
-        header part indices to the included ones (skipped parts send no bytes), and versions."""
-        targets, versions = self._targets(header, destinations)
-        included = [index for index, pulled in enumerate(header.parts) if pulled.included]
-        parts = [on_wire(Part.from_proto(header.parts[i].spec), wire_dtype_from_proto(header.wire_dtype)) for i in included]
-        assembler = ChunkAssembler(parts, [buffer for _, buffer in targets])
-        return assembler, {index: n for n, index in enumerate(included)}, versions
-
     @staticmethod
-    def _finish(assembler: ChunkAssembler, destinations: Mapping[str, torch.Tensor]) -> None:
-        for part, received in zip(assembler.parts, assembler.finish()):
-            target = destinations[part.key]
-            if received.data_ptr() != target.data_ptr():
-                target.copy_(received)
+    def _widen(targets: list[tuple[str, Part, torch.Tensor]], destinations: Mapping[str, torch.Tensor]) -> None:
+        for key, _, buffer in targets:
+            target = destinations[key]
+            if buffer.data_ptr() != target.data_ptr():
+                target.copy_(buffer)
 
     def _write_inline(
         self, reply: ps_pb2.InlinePull, destinations: Mapping[str, torch.Tensor]
     ) -> tuple[ps_pb2.PullHeader, dict[str, int]]:
-        assembler, included, versions = self._receiver(reply.header, destinations)
-        if len(reply.data) != len(included):
-            raise errors.PSError(f"shard {self.address} sent {len(reply.data)} tensors for {len(included)} parts")
-        for index, data in enumerate(reply.data):
-            assembler.add(frames.Chunk(index, 0, data))
-        self._finish(assembler, destinations)
+        targets, versions = self._targets(reply.header, destinations)
+        if len(reply.data) != len(targets):
+            raise errors.PSError(f"shard {self.address} sent {len(reply.data)} tensors for {len(targets)} parts")
+        for (key, sent, buffer), data in zip(targets, reply.data):
+            if len(data) != sent.nbytes:
+                raise errors.PSError(f"shard {self.address} sent {len(data)} bytes of {key!r}, expected {sent.nbytes}")
+            tensor_bytes(buffer)[:] = data
+        self._widen(targets, destinations)
         return reply.header, versions
 
     def close(self) -> None:
