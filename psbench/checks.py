@@ -41,7 +41,8 @@ def _check(id: str, name: str, value: float | None, comparison: str, threshold: 
 
 
 def _goodput(results: dict, shards: int) -> dict[int, dict]:
-    return {g["size_mib"]: g for g in results.get("goodput") or [] if g["shards"] == shards}
+    return {g["size_mib"]: g for g in results.get("goodput") or []
+            if g["shards"] == shards and g.get("transport", "lanes") == "lanes"}
 
 
 def _nearest(sizes, wanted: int) -> int | None:

@@ -47,9 +47,9 @@ def start_shards(children: Children, count: int, *extra: str, timeout: float = 1
     return [(child, f"127.0.0.1:{children.wait_port(child, port_file, timeout)}") for child, port_file in launched]
 
 
-def _client(addresses: list[str]) -> PSClient:
+def _client(addresses: list[str], *, bulk: bool = True) -> PSClient:
     # Deadlines generous enough for a loaded two-core machine moving hundreds of MiB.
-    client = PSClient(addresses, ClientOptions(timeout=120.0, min_bandwidth=5e6, connect_timeout=120.0))
+    client = PSClient(addresses, ClientOptions(timeout=120.0, min_bandwidth=5e6, connect_timeout=120.0, bulk=bulk))
     try:
         client.wait_connected()
     except BaseException:
@@ -84,6 +84,8 @@ class GoodputResult:
     reference_seconds: list[float]
     """The paired reference transfer of ``bytes_per_round`` run before each timed round (empty
     without a reference)."""
+    transport: str = "lanes"
+    """``lanes``: large bytes on the bulk lanes (the default); ``grpc``: every byte through gRPC."""
 
     @property
     def bytes_per_second(self) -> float:
@@ -111,6 +113,7 @@ class GoodputResult:
         return {
             "size_mib": self.size_mib,
             "shards": self.shards,
+            "transport": self.transport,
             "bytes_per_round": self.bytes_per_round,
             "bytes_per_second": self.bytes_per_second,
             "push_bytes_per_second": self.push_bytes_per_second,
@@ -153,14 +156,15 @@ class _Paired:
 
 def measure_goodput(
     children: Children, size_mib: int, shards: int, *, reps: int, warmup: int,
-    reference: Callable[[int], float] | None = None,
+    reference: Callable[[int], float] | None = None, bulk: bool = True,
 ) -> GoodputResult:
     """Start ``shards`` fresh shards, register a ``size_mib`` model, then time ``warmup`` +
     ``reps`` rounds of a push of a full gradient followed by a pull of every variable.
     ``reference(nbytes)``, when given, runs before each round with the round's byte count (a
     TCP transfer: the ratio's other side under the same load). The shards are stopped before
-    returning. Raises ``pswire.errors.PSError`` or ``ChildError``."""
-    started = start_shards(children, shards)
+    returning. ``bulk=False``: shards without bulk lanes, every byte through gRPC. Raises
+    ``pswire.errors.PSError`` or ``ChildError``."""
+    started = start_shards(children, shards, *(() if bulk else ("--bulk-port", "-1")))
     try:
         idle = [child.rss_bytes() for child, _ in started]
         model = bench_model(size_mib)
@@ -168,7 +172,7 @@ def measure_goodput(
         grads = {name: torch.full_like(t, 1e-3) for name, t in model.items()}
         dest = {name: torch.empty_like(t) for name, t in model.items()}
         paired = _Paired(None if reference is None else lambda: reference(2 * nbytes))
-        with _client([address for _, address in started]) as client:
+        with _client([address for _, address in started], bulk=bulk) as client:
             began = time.perf_counter()
             client.register(model_spec(model.items()), _SGD, worker_name="psbench", initial_values=model)
             init_seconds = time.perf_counter() - began
@@ -197,7 +201,7 @@ def measure_goodput(
             raise RuntimeError(f"the shards report holding {sum(s.bytes_held for s in statuses)} bytes "
                                f"of a {nbytes}-byte model")
         return GoodputResult(size_mib, shards, 2 * nbytes, total, push, pull, init_seconds, idle, peak, held,
-                             client_cpu, shard_cpu, paired.seconds)
+                             client_cpu, shard_cpu, paired.seconds, "lanes" if bulk else "grpc")
     finally:
         for child, _ in started:
             children.stop(child)

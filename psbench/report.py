@@ -70,8 +70,9 @@ def _baselines(base: dict) -> list[str]:
 def _goodput(rows: list[dict]) -> list[str]:
     return ["PS goodput: (bytes pushed + bytes pulled) / time of a push + pull round; TCP: the same bytes "
             "sent just before each round; CPU: client + shards ms per MiB moved", *_table(
-        ["model", "shards", "goodput", "push", "pull", "TCP (paired)", "x TCP", "x bare gRPC", "CPU ms/MiB"],
-        [[f"{r['size_mib']} MiB", str(r["shards"]), _rate(r["bytes_per_second"]), _rate(r["push_bytes_per_second"]),
+        ["model", "shards", "bytes via", "goodput", "push", "pull", "TCP (paired)", "x TCP", "x bare gRPC",
+         "CPU ms/MiB"],
+        [[f"{r['size_mib']} MiB", str(r["shards"]), r.get("transport", "lanes"), _rate(r["bytes_per_second"]), _rate(r["push_bytes_per_second"]),
           _rate(r["pull_bytes_per_second"]), _rate(r.get("paired_tcp_bytes_per_second")), _ratio(r["ratio_to_tcp"]),
           _ratio(r["ratio_to_bare_grpc"]), _cpu(r["cpu_seconds_per_mib"])]
          for r in rows],

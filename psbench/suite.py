@@ -84,20 +84,28 @@ class _Run:
     def goodput_section(self) -> list[dict]:
         base = self.results.get("baselines") or {}
         bare = base.get("grpc_stream", {}).get("round_bytes_per_second")
-        out = []
-        for size in self.plan.sizes_mib:
-            for shards in self.plan.shard_counts:
-                result = self._goodput(size, shards, self.plan.transfer_reps)
-                row = result.to_dict()
-                # Against the TCP transfers paired with the rounds: the same load on both sides.
-                tcp = result.reference_bytes_per_second or base.get("tcp", {}).get("bytes_per_second")
-                row["ratio_to_tcp"] = result.bytes_per_second / tcp if tcp else None
-                row["ratio_to_bare_grpc"] = result.bytes_per_second / bare if bare else None
-                log.info("goodput %d MiB, %d shard(s): %.0f MiB/s (push %.0f, pull %.0f)", size, shards,
-                         result.bytes_per_second / MIB, result.push_bytes_per_second / MIB,
-                         result.pull_bytes_per_second / MIB)
-                out.append(row)
-        return out
+        tcp = base.get("tcp", {}).get("bytes_per_second")
+
+        def row(result: GoodputResult) -> dict:
+            out = result.to_dict()
+            # Against the TCP transfers paired with the rounds: the same load on both sides.
+            paired = result.reference_bytes_per_second or tcp
+            out["ratio_to_tcp"] = result.bytes_per_second / paired if paired else None
+            out["ratio_to_bare_grpc"] = result.bytes_per_second / bare if bare else None
+            log.info("goodput %d MiB, %d shard(s), via %s: %.0f MiB/s (push %.0f, pull %.0f)", result.size_mib,
+                     result.shards, result.transport, result.bytes_per_second / MIB,
+                     result.push_bytes_per_second / MIB, result.pull_bytes_per_second / MIB)
+            return out
+
+        rows = [row(self._goodput(size, shards, self.plan.transfer_reps))
+                for size in self.plan.sizes_mib for shards in self.plan.shard_counts]
+        # The same transfer with every byte through gRPC: what the bulk lanes are worth.
+        size = min(self.plan.sizes_mib, key=lambda s: (abs(s - 64), s))
+        rows.append(row(measure_goodput(
+            self.children, size, 1, reps=self.plan.transfer_reps, warmup=self.plan.transfer_warmup,
+            reference=self.tcp and self.tcp.transfer, bulk=False,
+        )))
+        return rows
 
     def latency(self) -> dict:
         plan = self.plan

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 IDLE_SECONDS = 60.0
 """How long a lane may stall in the middle of a frame before it is closed (idle lanes stay)."""
+_REFUSALS_KEPT = 64
+"""Refused pushes of closed lanes remembered for the calls that name them."""
 _FREE_PER_SIZE = 2
 """Receive buffers kept for reuse per byte count: a fresh one costs a page fault per 4 KiB."""
 
@@ -182,8 +184,13 @@ class LaneServer:
         with self._arrived:
             lane.closed = True
             self._lanes.pop(lane.lane_id, None)
+            # Staged bytes go; a refusal stays for the call that will ask (a few, oldest dropped).
             for key in [k for k in self._staged if k[0] == lane.lane_id]:
-                dropped.append(self._staged.pop(key))
+                if self._staged[key].error is None:
+                    dropped.append(self._staged.pop(key))
+            refusals = [k for k, v in self._staged.items() if v.error is not None]
+            for key in refusals[: max(0, len(refusals) - _REFUSALS_KEPT)]:
+                del self._staged[key]
             self._arrived.notify_all()
         for old in dropped:
             if old.buffer is not None:

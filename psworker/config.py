@@ -62,6 +62,8 @@ class WorkerConfig:
     wait_timeout: float = _f(600.0, "Seconds a pull may wait on the ssp/sync bound before failing.")
     wire_dtype: str = _f("none", "Wire compression: send gradients and pull weights as bf16 or fp16 (the shards "
                          "keep full precision); none sends them as they are.", choices=("none", "bf16", "fp16"))
+    no_bulk: bool = _f(False, "Send every byte through gRPC, never on the shards' bulk lanes (plain TCP beside gRPC "
+                       "that carries large pushes and pulls, used when a shard offers one and its port is reachable).", flag=True)
     eval_every: int = _f(0, "Evaluate the current model on the test split every N steps (0: only at the end); "
                          "results go to \"evals\" in the JSON line.")
     record_losses: bool = _f(False, "Include every step's loss in the JSON result (\"losses\").", flag=True)

@@ -140,7 +140,7 @@ def train(config: WorkerConfig) -> dict:
     else:
         options = ClientOptions(
             timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
-            wire_dtype=WIRE_DTYPES.get(config.wire_dtype),
+            wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk,
         )
         session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options)
         model, optimizer = session.prepare(model, opt_config, consistency=config.consistency())

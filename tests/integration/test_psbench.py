@@ -52,6 +52,7 @@ def test_quick_run_reports_every_section(tmp_path):
         assert not bad, f"figures that are not positive and finite: {bad}"
 
     assert {g["shards"] for g in doc["goodput"]} == {1, 2}
+    assert {g["transport"] for g in doc["goodput"]} == {"lanes", "grpc"}  # the lanes and gRPC alone
     assert all(g["ratio_to_tcp"] > 0 for g in doc["goodput"])
     assert doc["latency"]["pull"]["p50_ratio_to_echo"] > 0
     assert doc["training"][0]["cluster_samples_per_second"] > 0

@@ -364,8 +364,10 @@ def test_psclient_happy_path(shard, inline_bytes):
         assert (st.version, st.pushes_applied, st.max_staleness) == (3, 3, 1)
 
 
-def test_large_parts_move_in_chunks_and_split_across_two_shards(make_shard, open_stub):
-    """Two shards, a variable split by rows, chunks far smaller than a part, both directions."""
+@pytest.mark.parametrize("bulk", [False, True], ids=["grpc-streams", "bulk-lanes"])
+def test_large_parts_move_in_chunks_and_split_across_two_shards(make_shard, open_stub, bulk):
+    """Two shards, a variable split by rows, both directions: through gRPC in chunks far smaller
+    than a part, or on the bulk lanes."""
     spec = [VariableSpec("emb", (256, 512), torch.float32), VariableSpec("bias", (8,), torch.float32)]
     placement = place(spec, 2)
     assert len(placement.parts_of("emb")) == 2
@@ -375,7 +377,7 @@ def test_large_parts_move_in_chunks_and_split_across_two_shards(make_shard, open
         "bias": torch.arange(8, dtype=torch.float32),
     }
     grads = {"emb": torch.full((256, 512), 0.25).contiguous(), "bias": torch.full((8,), -2.0)}
-    options = ClientOptions(timeout=RPC_TIMEOUT, connect_timeout=RPC_TIMEOUT, chunk_bytes=4096)
+    options = ClientOptions(timeout=RPC_TIMEOUT, connect_timeout=RPC_TIMEOUT, chunk_bytes=4096, bulk=bulk)
     with PSClient([s.address for s in shards], options) as client:
         client.wait_connected()
         assert client.register(spec, SGD, worker_name="worker-0", initial_values=initial)
@@ -385,6 +387,7 @@ def test_large_parts_move_in_chunks_and_split_across_two_shards(make_shard, open
         assert all(r is not None and r.version == 1 for r in client.push(grads))
         assert client.pull(dest) == [1, 1]
         assert raw(dest) == raw(sgd_step(initial, grads))
+        assert [s.lanes.open_lanes > 0 for s in shards] == [bulk, bulk]
     for index, s in enumerate(shards):
         st = status(open_stub(s.address))
         assert [Part.from_proto(p) for p in st.parts] == list(placement.shards[index])

@@ -1,0 +1,231 @@
+"""Service tier: the bulk lanes (``pswire.lanes``) beside one real in-process shard.
+
+Large pushes and pulls move their bytes on a lane; these tests check that the bytes land exactly,
+that a broken or missing lane costs a retry or a fallback to gRPC and never a double apply, and
+that a peer speaking nonsense on the bulk port is cut off while the shard keeps serving.
+Values are exact in float32 (power-of-two steps), so results are compared with ``==``.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import grpc
+import pytest
+import torch
+
+from psserver.config import ServerConfig
+from psserver.server import create_server
+from pswire import errors
+from pswire import lanes as wire
+from pswire.optim import OptimizerConfig
+from pswire.placement import VariableSpec
+from pswire.v1 import ps_pb2, ps_pb2_grpc
+from psworker.client import ClientOptions, PSClient
+
+pytestmark = pytest.mark.timeout(120)
+
+RPC_TIMEOUT = 10.0
+SGD = OptimizerConfig(name="sgd", lr=0.5)
+ROWS = 512  # 512 x 256 float32 = 512 KiB: above the default inline limit of 256 KiB
+SPEC = [VariableSpec("emb", (ROWS, 256), torch.float32), VariableSpec("bias", (4,), torch.float32)]
+INITIAL = {
+    "emb": (torch.arange(ROWS * 256, dtype=torch.float32) % 64).reshape(ROWS, 256) / 4,
+    "bias": torch.tensor([1.0, -2.0, 0.5, 0.0]),
+}
+GRADS = {"emb": torch.full((ROWS, 256), 0.5), "bias": torch.tensor([2.0, -4.0, 1.0, 8.0])}
+
+
+def stepped(n: int) -> dict[str, torch.Tensor]:
+    """INITIAL after n SGD steps of GRADS (exact in float32)."""
+    return {k: v - n * 0.5 * GRADS[k] for k, v in INITIAL.items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def shard():
+    started = create_server(ServerConfig(port=0, max_request_bytes=4 << 20))
+    yield started
+    started.stop(grace=0)
+
+
+def client_for(shard, **options) -> PSClient:
+    client = PSClient([shard.address], ClientOptions(timeout=RPC_TIMEOUT, connect_timeout=RPC_TIMEOUT, **options))
+    client.wait_connected()
+    return client
+
+
+def test_pushes_and_pulls_move_on_lanes_exactly(shard):
+    with client_for(shard) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        assert client.pull(dest) == [0]
+        assert same(dest, INITIAL)
+        (reply,) = client.push(GRADS)
+        assert reply.version == 1
+        (reply,) = client.push_pull(GRADS, dest)  # one PushPull call, both sides on the lane
+        assert (reply.version, reply.staleness) == (2, 1)
+        assert same(dest, stepped(2))
+        assert shard.lanes.open_lanes == 1  # one lane, reused by every call
+        (st,) = client.status()
+        assert (st.pushes_applied, st.pushes_rejected) == (2, 0)
+
+
+def test_compressed_pushes_and_pulls_on_lanes(shard):
+    with client_for(shard, wire_dtype=torch.bfloat16) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        client.push_pull(GRADS, dest)
+        # Every value here is exact in bfloat16 too (multiples of 1/4 below 16).
+        assert same(dest, stepped(1))
+        assert shard.lanes.open_lanes == 1
+
+
+def test_a_broken_lane_is_retried_and_the_push_applies_once(shard):
+    with client_for(shard) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        client.push_pull(GRADS, dest)
+        (pool,) = [c.lanes for c in client._clients]
+        (idle,) = pool._idle
+        idle.sock.shutdown(socket.SHUT_RDWR)  # the next call finds its lane dead mid-use
+        client.push_pull(GRADS, dest)
+        assert same(dest, stepped(2))
+        (st,) = client.status()
+        assert st.pushes_applied == 2
+
+
+def test_without_lanes_the_client_falls_back_to_grpc(shard):
+    with client_for(shard) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        shard.lanes.stop()  # the bulk port goes away: connecting to it now fails
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        client.push_pull(GRADS, dest)
+        assert same(dest, stepped(1))
+        client.push(GRADS)
+        assert client.pull(dest) == [2]
+        assert same(dest, stepped(2))
+
+
+def test_shard_without_lanes_offers_none():
+    shard = create_server(ServerConfig(port=0, bulk_port=-1))
+    try:
+        assert shard.lanes is None
+        with client_for(shard) as client:
+            assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+            dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+            client.push_pull(GRADS, dest)
+            assert same(dest, stepped(1))
+            assert [c.lanes.port for c in client._clients] == [0]
+    finally:
+        shard.stop(grace=0)
+
+
+def test_a_failed_call_does_not_leave_the_pull_waiting_on_its_lane(shard):
+    """A fenced pull never sends on the lane; the client must not wait out the deadline."""
+    with client_for(shard) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        (session,) = client._sessions
+        session.generation += 1  # a registration the shard no longer knows
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        request = ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation, clock=0)
+        started = time.monotonic()
+        with pytest.raises(errors.FencedError, match="generation"):
+            session.client.pull(request, {p.key: dest[p.name] for p in session.parts}, 512 * 1024 + 16)
+        assert time.monotonic() - started < RPC_TIMEOUT / 2
+
+
+def _raw_lane(shard) -> tuple[socket.socket, int]:
+    sock = socket.create_connection(("127.0.0.1", shard.lanes.port), timeout=RPC_TIMEOUT)
+    tag, lane_id = wire.GREETING.unpack(wire.recv_exactly(sock, wire.GREETING.size))
+    assert tag == wire.GREETING_TAG
+    return sock, lane_id
+
+
+def _stub(shard) -> tuple[grpc.Channel, ps_pb2_grpc.ParameterServerStub]:
+    channel = grpc.insecure_channel(shard.address)
+    return channel, ps_pb2_grpc.ParameterServerStub(channel)
+
+
+def _registered(shard) -> tuple[PSClient, ps_pb2.TensorHeader]:
+    client = client_for(shard)
+    client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+    (session,) = client._sessions
+    header = client._header(session, 0)
+    header.sequence = 1
+    return client, header
+
+
+def test_bad_bulk_pushes_are_refused_and_change_nothing(shard):
+    client, header = _registered(shard)
+    channel, stub = _stub(shard)
+    try:
+        nbytes = ROWS * 256 * 4 + 16
+        # A lane the shard never opened: retryable, so UNAVAILABLE, naming the lane.
+        ref = ps_pb2.BulkRef(lane=12345, token=1, nbytes=nbytes)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.PushInline(ps_pb2.InlinePush(header=header, bulk=ref), timeout=RPC_TIMEOUT)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and "12345" in caught.value.details()
+
+        sock, lane_id = _raw_lane(shard)
+        with sock:
+            # A byte count that disagrees with the parts.
+            ref = ps_pb2.BulkRef(lane=lane_id, token=1, nbytes=nbytes - 4)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.PushInline(ps_pb2.InlinePush(header=header, bulk=ref), timeout=RPC_TIMEOUT)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in caught.value.details()
+
+            # Inline data and a lane at once.
+            ref = ps_pb2.BulkRef(lane=lane_id, token=1, nbytes=nbytes)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.PushInline(ps_pb2.InlinePush(header=header, bulk=ref, data=[b"x"]), timeout=RPC_TIMEOUT)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            # NaN staged on the lane: refused whole.
+            grad = torch.cat([GRADS["emb"].reshape(-1), GRADS["bias"]])
+            grad[7] = float("nan")
+            sock.sendall(wire.PUSH.pack(wire.PUSH_TAG, 2, nbytes) + grad.numpy().tobytes())
+            ref = ps_pb2.BulkRef(lane=lane_id, token=2, nbytes=nbytes)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.PushInline(ps_pb2.InlinePush(header=header, bulk=ref), timeout=RPC_TIMEOUT)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in caught.value.details()
+
+            # Above the shard's request limit (4 MiB here): the lane is cut, the call says why.
+            sock.sendall(wire.PUSH.pack(wire.PUSH_TAG, 3, 5 << 20))
+            ref = ps_pb2.BulkRef(lane=lane_id, token=3, nbytes=nbytes)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.PushInline(ps_pb2.InlinePush(header=header, bulk=ref), timeout=RPC_TIMEOUT)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in caught.value.details()
+
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        assert client.pull(dest) == [0]
+        assert same(dest, INITIAL)
+        (st,) = client.status()
+        assert (st.pushes_applied, st.pushes_rejected) == (0, 5)
+        client.push(GRADS)  # still serving, on a lane of its own
+        assert client.pull(dest) == [1]
+        assert same(dest, stepped(1))
+    finally:
+        channel.close()
+        client.close()
+
+
+@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n" + bytes(8), struct.pack("<4sQQ", b"PSPL", 1, 1)])
+def test_nonsense_on_the_bulk_port_closes_that_lane_only(shard, garbage):
+    with client_for(shard) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        client.pull(dest)
+        sock, _ = _raw_lane(shard)
+        with sock:
+            sock.sendall(garbage)
+            sock.settimeout(RPC_TIMEOUT)
+            assert sock.recv(1) == b""  # the shard hung up on it
+        client.push_pull(GRADS, dest)
+        assert same(dest, stepped(1))
+        assert shard.lanes.open_lanes == 1
