@@ -168,8 +168,9 @@ class ShardClient:
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         self.lanes = LanePool(address.rpartition(":")[0].strip("[]"), enabled=options.bulk)
         self._narrow: dict[Part, torch.Tensor] = {}
-        self._parts: dict[tuple, Part] = {}
         """Reused receive buffers of compressed parts (see ``ClientOptions.wire_dtype``)."""
+        self._parts: dict[tuple, Part] = {}
+        """Parts as the shard's pull headers describe them (``_part``)."""
         # The bulk methods with the chunk codecs of pswire.frames (the same bytes on the wire).
         path = f"/{SERVICE}/"
         self._push_stream = self._channel.stream_unary(
