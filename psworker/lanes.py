@@ -30,9 +30,10 @@ class Lane:
     """One connection to a shard's bulk port. Every method raises ``pswire.lanes.LaneError`` or
     ``OSError`` (``TimeoutError`` past ``timeout``) when the lane breaks; the caller then closes it."""
 
-    def __init__(self, sock: socket.socket, lane_id: int) -> None:
+    def __init__(self, sock: socket.socket, lane_id: int, port: int) -> None:
         self.sock = sock
         self.lane_id = lane_id
+        self.port = port
         self._token = 0
         self._header = memoryview(bytearray(wire.PULL.size))
 
@@ -84,10 +85,9 @@ class LanePool:
         self._closed = False
 
     def set_port(self, port: int) -> None:
-        """The shard's bulk port, from its RegisterResponse; a new one drops the idle lanes."""
+        """The shard's bulk port, from its RegisterResponse. Idle lanes are dropped: a worker
+        registers again after the shard restarted, and its old lanes are dead then."""
         with self._lock:
-            if port == self.port:
-                return
             self.port, stale, self._idle = port, self._idle, []
             self._retry_at = 0.0
         for lane in stale:
@@ -113,7 +113,7 @@ class LanePool:
         except (OSError, wire.LaneError) as exc:
             sock.close()
             return self._unreachable(port, exc)
-        return Lane(sock, lane_id)
+        return Lane(sock, lane_id, port)
 
     def _unreachable(self, port: int, exc: Exception) -> None:
         with self._lock:
@@ -127,7 +127,7 @@ class LanePool:
     def give(self, lane: Lane) -> None:
         """Return a lane after a call that succeeded (after a failure: ``lane.close()``)."""
         with self._lock:
-            if not self._closed:
+            if not self._closed and lane.port == self.port:
                 self._idle.append(lane)
                 return
         lane.close()

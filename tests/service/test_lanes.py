@@ -229,3 +229,29 @@ def test_nonsense_on_the_bulk_port_closes_that_lane_only(shard, garbage):
         client.push_pull(GRADS, dest)
         assert same(dest, stepped(1))
         assert shard.lanes.open_lanes == 1
+
+
+def test_after_a_shard_restart_the_worker_finds_its_new_bulk_port():
+    """A restarted shard listens on a new bulk port: the old lanes fail (retried, then fenced by
+    the empty shard), and the next registration learns the new port."""
+    first = create_server(ServerConfig(port=0))
+    port = first.port
+    try:
+        with client_for(first) as client:
+            assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+            dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+            client.push_pull(GRADS, dest)
+            first.stop(grace=0)
+            second = create_server(ServerConfig(port=port))
+            try:
+                with pytest.raises(errors.FencedError, match="register again"):
+                    client.push_pull(GRADS, dest)
+                assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+                client.push_pull(GRADS, dest)
+                assert same(dest, stepped(1))
+                assert [c.lanes.port for c in client._clients] == [second.lanes.port]
+                assert second.lanes.open_lanes == 1
+            finally:
+                second.stop(grace=0)
+    finally:
+        first.stop(grace=0)
