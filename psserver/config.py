@@ -24,6 +24,7 @@ class ServerConfig:
     threads: int = field(default=16, metadata={"help": 'gRPC handler threads; also the most RPCs served at once.'})
     max_concurrent_rpcs: int = field(default=64, metadata={"help": 'RPCs admitted at once (beyond ``threads`` they queue); more get RESOURCE_EXHAUSTED.'})
     max_request_bytes: int = field(default=8 << 30, metadata={"help": 'Largest push or initialisation accepted, in bytes.'})
+    max_inflight_bytes: int = field(default=1 << 30, metadata={"help": "Bytes of pushes this shard holds received but not yet applied, across all workers; beyond, pushes wait with their bytes still in the network (one push alone is always admitted); 0: no bound."})
     chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, metadata={"help": 'Chunk size of pull streams.'})
     init_timeout: float = field(default=60.0, metadata={"help": 'Seconds a registered initialiser has to upload the variables before another worker may.'})
     lease_timeout: float = field(default=30.0, metadata={"help": "Seconds without a heartbeat (or any call) after which a worker is evicted; 0 disables eviction."})
@@ -59,6 +60,8 @@ class ServerConfig:
             raise ValueError(f"lease_timeout must be >= 0, got {self.lease_timeout}")
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if self.max_inflight_bytes < 0:
+            raise ValueError(f"max_inflight_bytes must be >= 0, got {self.max_inflight_bytes}")
         if self.max_request_bytes < 1 or self.init_timeout <= 0 or self.grace < 0:
             raise ValueError("max_request_bytes and init_timeout must be > 0, grace >= 0")
 

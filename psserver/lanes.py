@@ -21,6 +21,7 @@ import torch
 
 from pswire import lanes as wire
 from pswire.errors import DeadlineError, InvalidArgumentError, PSError, TooLargeError, UnavailableError
+from psserver.inflight import InflightBudget
 
 __all__ = ["LaneServer"]
 
@@ -52,13 +53,16 @@ class _Staged:
 class LaneServer:
     """Accepts lanes on ``host:port`` (0: any free port; the bound one is ``.port``)."""
 
-    def __init__(self, host: str, port: int, *, max_bytes: int, max_lanes: int = 256) -> None:
+    def __init__(
+        self, host: str, port: int, *, max_bytes: int, budget: InflightBudget | None = None, max_lanes: int = 256
+    ) -> None:
         try:
             self._listener = socket.create_server((host, port), backlog=64)
         except OSError as exc:
             raise RuntimeError(f"cannot bind the bulk port {host}:{port}: {exc}") from exc
         self.port: int = self._listener.getsockname()[1]
         self._max_bytes = max_bytes
+        self._budget = budget or InflightBudget(0)
         self._max_lanes = max_lanes
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -94,7 +98,8 @@ class LaneServer:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        """Return a claimed push's buffer for reuse."""
+        """Return a staged push's buffer for reuse (its bytes leave the in-flight budget)."""
+        self._budget.release(buffer.numel())
         with self._lock:
             free = self._free.setdefault(buffer.numel(), [])
             if len(free) < _FREE_PER_SIZE:
@@ -135,6 +140,12 @@ class LaneServer:
                     self._stage(lane, token, _Staged(None, TooLargeError(
                         f"bulk push of {nbytes} bytes is above this shard's limit of {self._max_bytes}")))
                     return
+                # Wait for room before reading: meanwhile the bytes stay in the worker's socket.
+                if not self._budget.acquire(nbytes, IDLE_SECONDS):
+                    raise wire.LaneError(
+                        f"no room for a push of {nbytes} bytes in {IDLE_SECONDS:.0f}s: "
+                        f"{self._budget.held} bytes of pushes in flight (limit {self._budget.limit})"
+                    )
                 buffer = self._take(nbytes)
                 try:
                     wire.recv_into(sock, memoryview(buffer.numpy()))

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from psserver.checkpoint import CheckpointError
 from psserver.checkpointer import Checkpointer, parse_schedule
 from psserver.config import ServerConfig
+from psserver.inflight import InflightBudget
 from psserver.lanes import LaneServer
 from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import ShardStore
@@ -120,12 +121,13 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     if port == 0:
         raise RuntimeError(f"cannot bind {target}")
     address = f"{config.host}:{port}"
+    budget = InflightBudget(config.max_inflight_bytes)
     lanes = None
     if config.bulk_port >= 0:
-        lanes = LaneServer(config.host, config.bulk_port, max_bytes=config.max_request_bytes)
+        lanes = LaneServer(config.host, config.bulk_port, max_bytes=config.max_request_bytes, budget=budget)
     servicer = ParameterServerServicer(
         store, address=address, chunk_bytes=config.chunk_bytes, max_request_bytes=config.max_request_bytes,
-        checkpointer=checkpointer, lanes=lanes,
+        checkpointer=checkpointer, lanes=lanes, budget=budget,
     )
     add_to_server(servicer, server)
     health_servicer = health.HealthServicer()

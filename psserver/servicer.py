@@ -13,6 +13,7 @@ import torch
 from pswire import errors, frames
 from pswire.codec import ChunkAssembler, Part, on_wire, tensor_bytes, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
+from psserver.inflight import InflightBudget
 from psserver.lanes import LaneServer
 from psserver.store import PullSnapshot, Registration, ShardStore
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_from_proto, optimizer_to_proto
@@ -103,10 +104,11 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(
         self, store: ShardStore, *, address: str, chunk_bytes: int, max_request_bytes: int, checkpointer=None,
-        lanes: LaneServer | None = None,
+        lanes: LaneServer | None = None, budget: InflightBudget | None = None,
     ) -> None:
         self._store = store
         self._lanes = lanes
+        self._budget = budget or InflightBudget(0)
         self._checkpointer = checkpointer
         self._address = address
         self._chunk_bytes = chunk_bytes
@@ -148,7 +150,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         )
 
     def _receive(
-        self, request_iterator: Iterator[ps_pb2.TensorMessage], *, initialize: bool
+        self, request_iterator: Iterator[ps_pb2.TensorMessage], *, initialize: bool,
+        context: grpc.ServicerContext | None = None,
     ) -> tuple[ps_pb2.TensorHeader, list[Part], list, Callable[[], None]]:
         first = next(request_iterator, None)
         if not isinstance(first, ps_pb2.TensorMessage) or first.WhichOneof("kind") != "header":
@@ -161,7 +164,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     raise errors.InvalidArgumentError("only chunks may follow the header")
                 yield message
 
-        return (header, *self._assemble(header, chunks(), initialize=initialize))
+        return (header, *self._assemble(header, chunks(), initialize=initialize, context=context))
 
     def _expect(self, header: ps_pb2.TensorHeader, *, initialize: bool) -> tuple[list[Part], list[Part]]:
         """The parts a push or initialisation announces, validated, and the same parts as they
@@ -179,14 +182,30 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return parts, sent
 
     def _assemble(
-        self, header: ps_pb2.TensorHeader, chunks: Iterable[frames.Chunk], *, initialize: bool
+        self, header: ps_pb2.TensorHeader, chunks: Iterable[frames.Chunk], *, initialize: bool,
+        context: grpc.ServicerContext | None = None,
     ) -> tuple[list[Part], list[torch.Tensor], Callable[[], None]]:
         """Validate the header's parts, then copy the chunks into place. A push's gradients land
         in pooled buffers (given back by the returned release, once applied) and, when compressed,
         are widened to the variables' dtypes; initial values become the variables, so they get
-        buffers of their own."""
+        buffers of their own. A push first takes its bytes from the in-flight budget, waiting
+        for room until its deadline (``NotReadyError`` then: retryable)."""
         parts, sent = self._expect(header, initialize=initialize)
-        buffers = None if initialize else self._buffers.take(sent)
+        if initialize:
+            buffers = None
+        else:
+            total = sum(p.nbytes for p in sent)
+            remaining = context.time_remaining() if context is not None else None
+            if not self._budget.acquire(total, 30.0 if remaining is None else max(0.0, remaining - 0.05)):
+                raise errors.NotReadyError(
+                    f"no room for a push of {total} bytes: {self._budget.held} bytes of pushes in flight "
+                    f"on this shard (--max-inflight-bytes {self._budget.limit}); retry"
+                )
+            try:
+                buffers = self._buffers.take(sent)
+            except BaseException:
+                self._budget.release(total)
+                raise
         try:
             assembler = ChunkAssembler(sent, buffers)
             for chunk in chunks:
@@ -195,10 +214,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except BaseException:
             if buffers is not None:
                 self._buffers.give(sent, buffers)
+                self._budget.release(total)
             raise
         if initialize:
             return parts, received, lambda: None
-        return (parts, *self._widen(parts, sent, received, lambda: self._buffers.give(sent, received)))
+
+        def release() -> None:
+            self._buffers.give(sent, received)
+            self._budget.release(total)
+
+        return (parts, *self._widen(parts, sent, received, release))
 
     def _widen(
         self, parts: list[Part], sent: list[Part], received: list[torch.Tensor], release: Callable[[], None]
@@ -256,7 +281,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Push(self, request_iterator, context: grpc.ServicerContext) -> ps_pb2.PushResponse:
         try:
-            header, parts, grads, release = self._receive(request_iterator, initialize=False)
+            header, parts, grads, release = self._receive(request_iterator, initialize=False, context=context)
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()
             log.warning("push refused: %s", exc)
@@ -275,7 +300,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         f"inline push carries {len(request.data)} tensors for {len(request.header.parts)} parts"
                     )
                 chunks = (frames.Chunk(index, 0, data) for index, data in enumerate(request.data))
-                parts, grads, release = self._assemble(request.header, chunks, initialize=False)
+                parts, grads, release = self._assemble(request.header, chunks, initialize=False, context=context)
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()
             log.warning("push refused: %s", exc)
@@ -430,4 +455,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             last_checkpoint_id=self._checkpointer.last_id if self._checkpointer else 0,
             last_checkpoint_path=self._checkpointer.last_path if self._checkpointer else "",
             checkpoint_dir=self._checkpointer.directory if self._checkpointer else "",
+            push_bytes_in_flight=self._budget.held,
+            push_bytes_in_flight_peak=self._budget.peak,
+            max_inflight_bytes=self._budget.limit,
         )

@@ -77,6 +77,8 @@ def _table(shards: list[dict]) -> str:
             f"{s['address']}: mode {mode}; optimizer {opt.get('name', '-')} lr {opt.get('lr', '-')}; "
             f"staleness histogram {hist or '-'}; pulls waited {s['pull_wait_seconds']:.1f}s; "
             f"lease {s['lease_seconds']:g}s, {s['workers_evicted']} evicted; "
+            f"push bytes in flight {s['push_bytes_in_flight']} (peak {s['push_bytes_in_flight_peak']}, "
+            f"limit {s['max_inflight_bytes'] or 'none'}); "
             f"last checkpoint {s['last_checkpoint_id'] or 'none'}; "
             f"workers: {names or 'none'}"
         )

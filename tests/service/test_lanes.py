@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -255,3 +256,36 @@ def test_after_a_shard_restart_the_worker_finds_its_new_bulk_port():
                 second.stop(grace=0)
     finally:
         first.stop(grace=0)
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk-lanes", "grpc-streams"])
+def test_pushes_in_flight_stay_within_the_budget(bulk):
+    """Two workers push at once, each push 512 KiB, against a 600 KiB budget: every push is
+    applied, and never were two held at once."""
+    push_bytes = ROWS * 256 * 4 + 16
+    shard = create_server(ServerConfig(port=0, max_inflight_bytes=600 << 10))
+    try:
+        clients = [client_for(shard, bulk=bulk) for _ in range(2)]
+        assert clients[0].register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        assert not clients[1].register(SPEC, SGD, worker_name="w1")
+
+        def train(client: PSClient) -> None:
+            dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+            for _ in range(10):
+                client.push_pull(GRADS, dest)
+
+        with futures.ThreadPoolExecutor(2) as pool:
+            for done in [pool.submit(train, c) for c in clients]:
+                done.result(timeout=RPC_TIMEOUT * 6)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        assert clients[0].pull(dest) == [20]
+        assert same(dest, stepped(20))
+        (st,) = clients[0].status()
+        assert st.pushes_applied == 20
+        assert st.max_inflight_bytes == 600 << 10
+        assert st.push_bytes_in_flight == 0
+        assert push_bytes <= st.push_bytes_in_flight_peak <= 600 << 10
+    finally:
+        for client in clients:
+            client.close()
+        shard.stop(grace=0)
