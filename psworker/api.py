@@ -16,14 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Sequence
+from concurrent import futures
 
 import torch
 
-import time
-
 from pswire import errors
-from pswire.consistency import Consistency
+from pswire.consistency import Consistency, Mode
 from pswire.optim import OptimizerConfig
 from pswire.placement import model_spec
 from psworker.client import ClientOptions, PSClient
@@ -39,12 +39,15 @@ def connect(
     worker_name: str | None = None,
     job: str = "",
     options: ClientOptions | None = None,
+    overlap: bool = False,
 ) -> "Session":
     """Connect to every shard of a job (``"host:port,host:port"`` or a list).
 
     ``worker_name`` identifies this worker across restarts (default: host name and pid); ``job``
-    is a free-form identity every worker of the job must share. Raises ``ValueError`` for
-    malformed addresses and ``UnavailableError`` when a shard does not answer in time.
+    is a free-form identity every worker of the job must share. ``overlap`` (async jobs only):
+    each step's push and the pull of the weights for the step after next run in the background
+    while the next step computes (see :class:`Session`). Raises ``ValueError`` for malformed
+    addresses and ``UnavailableError`` when a shard does not answer in time.
     """
     client = PSClient(ps, options)
     try:
@@ -52,14 +55,29 @@ def connect(
     except BaseException:
         client.close()
         raise
-    return Session(client, worker_name or f"{socket.gethostname()}-{os.getpid()}", job)
+    return Session(client, worker_name or f"{socket.gethostname()}-{os.getpid()}", job, overlap=overlap)
 
 
 class Session:
-    """One worker's membership in a job. Use :func:`connect` to make one."""
+    """One worker's membership in a job. Use :func:`connect` to make one.
 
-    def __init__(self, client: PSClient, worker_name: str, job: str = "") -> None:
+    With ``overlap``, ``step()`` copies the gradients, loads the weights the previous step's
+    exchange brought, and returns while this step's push and pull run on a background thread,
+    so communication hides behind the next step's compute (on a GPU worker, or whenever a core
+    is free). The price is one step of staleness: a step computes on weights that lack the
+    worker's own previous gradient. The shard measures and reports it like any other. Only for
+    async jobs, whose steps may use any recent weights; ssp and sync bound what a step may see.
+    """
+
+    def __init__(self, client: PSClient, worker_name: str, job: str = "", *, overlap: bool = False) -> None:
         self.client = client
+        self.overlap = overlap
+        self._pending: futures.Future | None = None
+        self._loaded_versions: list[int] | None = None
+        """Each shard's version of the weights now in the model (what a step computes on)."""
+        self._exchanger = (
+            futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="psworker-exchange") if overlap else None
+        )
         self.worker_name = worker_name
         self.job = job
         self.initialized_job = False
@@ -96,7 +114,8 @@ class Session:
         for name, param in self._params.items():
             # Pulls write into a CPU tensor of the parameter's shape: the parameter itself when it
             # lives on the CPU and is contiguous, otherwise a staging copy (pinned for CUDA).
-            if param.device.type == "cpu" and param.is_contiguous():
+            # With overlap the pull lands while the next step computes, so never in the parameter.
+            if param.device.type == "cpu" and param.is_contiguous() and not self.overlap:
                 self._staging[name] = param.data
             else:
                 pin = param.device.type == "cuda"
@@ -104,6 +123,11 @@ class Session:
                 self._grads[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
         self._optimizer_config, self._consistency = config, consistency
         spec = self._register()
+        if self.overlap and self.client.consistency.mode is not Mode.ASYNC:
+            raise ValueError(
+                f"overlap needs an async job, and this one is {self.client.consistency.describe()}: "
+                "in ssp and sync a step must compute on the weights its clock allows"
+            )
         log.info(
             "%s %s the job on %d shard(s): %d variables, optimizer %s lr %g, %s",
             self.worker_name, "initialised" if self.initialized_job else "joined",
@@ -133,6 +157,7 @@ class Session:
     def pull(self, *, wait: bool = True) -> None:
         """Load the shards' current weights into the model's parameters, in place. In ssp/sync
         this waits as the bound requires; ``wait=False`` reads at once (e.g. to evaluate)."""
+        self.synchronize()
         self.client.pull(self._staging, wait=wait)
         self._load_staged()
 
@@ -144,17 +169,38 @@ class Session:
                     param.data.copy_(staged, non_blocking=True)
             if any(p.device.type == "cuda" for p in self._params.values()):
                 torch.cuda.synchronize()
+        self._loaded_versions = self.client.versions()
 
     def push(self) -> None:
         """Push the parameters' gradients; parameters without a gradient are left out, as
         ``torch.optim`` skips them. Raises ``InvalidArgumentError`` if a gradient is not finite."""
+        self.synchronize()
         self.client.push(self._gradients(), data=self.progress)
 
     def push_pull(self) -> None:
         """A training step's traffic: push the gradients, then load the updated weights (one
-        call per shard when both are small; see ``PSClient.push_pull``)."""
-        self.client.push_pull(self._gradients(), self._staging, data=self.progress)
-        self._load_staged()
+        call per shard when both are small; see ``PSClient.push_pull``). With overlap: load the
+        weights of the previous step's exchange, then start this one in the background."""
+        if not self.overlap:
+            self.client.push_pull(self._gradients(), self._staging, data=self.progress)
+            self._load_staged()
+            return
+        computed_on = self._loaded_versions  # the weights this step's gradients come from
+        self.synchronize()
+        grads = self._gradients()  # copies: the next backward may write the gradients in place
+        progress = dict(self.progress) if self.progress else None
+        assert self._exchanger is not None
+        self._pending = self._exchanger.submit(
+            self.client.push_pull, grads, self._staging, data=progress, base_versions=computed_on,
+        )
+
+    def synchronize(self) -> None:
+        """Wait for the step running in the background (overlap), raise its error if it failed,
+        and load the weights it pulled; nothing without overlap or when none is running."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+            self._load_staged()
 
     def _gradients(self) -> dict[str, torch.Tensor]:
         grads = {}
@@ -177,11 +223,18 @@ class Session:
         return self.client.status()
 
     def close(self) -> None:
-        """Leave the job (so ssp/sync peers stop waiting for this worker) and disconnect."""
+        """Finish the step in flight (overlap), leave the job (so ssp/sync peers stop waiting for
+        this worker) and disconnect."""
         try:
+            try:
+                self.synchronize()
+            except errors.PSError as exc:
+                log.warning("%s: the last step's exchange failed: %s", self.worker_name, exc)
             if self._params:
                 self.client.leave()
         finally:
+            if self._exchanger is not None:
+                self._exchanger.shutdown(wait=True)
             self.client.close()
 
     def __enter__(self) -> "Session":

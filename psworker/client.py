@@ -616,15 +616,17 @@ class PSClient:
         return header.version
 
     def _push_message(
-        self, session: _ShardSession, grads: Mapping[str, torch.Tensor], data: Mapping[str, int] | None
+        self, session: _ShardSession, grads: Mapping[str, torch.Tensor], data: Mapping[str, int] | None,
+        base_version: int | None = None,
     ) -> tuple[ps_pb2.TensorHeader, list[memoryview]] | None:
         """The next push to ``session`` (None when it holds none of ``grads`` and, in async,
-        needs no clock tick); takes the next sequence number."""
+        needs no clock tick); takes the next sequence number. ``base_version``: the version the
+        gradient was computed from, when not that of the last pull."""
         parts = [p for p in session.parts if p.name in grads]
         if not parts and self.consistency.mode is Mode.ASYNC:
             return None
         session.sequence += 1
-        header = self._header(session, session.version, parts)
+        header = self._header(session, session.version if base_version is None else base_version, parts)
         if data:
             header.data.CopyFrom(ps_pb2.DataPosition(**data))
         wire = self.options.wire_dtype
@@ -713,17 +715,20 @@ class PSClient:
 
     def push_pull(
         self, grads: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor], *,
-        data: Mapping[str, int] | None = None,
+        data: Mapping[str, int] | None = None, base_versions: Sequence[int] | None = None,
     ) -> list[ps_pb2.PushResponse | None]:
         """One training step's traffic: :meth:`push`, then :meth:`pull` into ``destinations``
         (waiting on the bound in ssp/sync). A shard whose push and pull both fit in
         ``inline_bytes``, or whose bulk lanes are open, gets them as one call; the others as two.
-        A retried call repeats the push's sequence number, so the shard applies it once."""
+        A retried call repeats the push's sequence number, so the shard applies it once.
+        ``base_versions`` (one per shard): the versions the gradients were computed from, when
+        not those of the last pull (a worker that overlaps steps computes on older weights)."""
         sessions = self._require_sessions()
         may_wait = self.consistency.mode is not Mode.ASYNC
+        bases = dict(zip(map(id, sessions), base_versions)) if base_versions is not None else {}
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
-            message = self._push_message(session, grads, data)
+            message = self._push_message(session, grads, data, bases.get(id(session)))
             request, dest, nbytes = self._pull_request(
                 session, destinations, skip_unchanged=True, may_wait=may_wait,
                 clock=session.clock + (message is not None),
@@ -744,6 +749,10 @@ class PSClient:
             return reply
 
         return self._fan_out_waiting(one, sessions, may_wait)
+
+    def versions(self) -> list[int]:
+        """Each shard's version as of this worker's last pull."""
+        return [session.version for session in self._require_sessions()]
 
     def leave(self) -> None:
         """Leave the job on every shard (SSP/sync membership shrinks at once). Best effort:

@@ -62,6 +62,8 @@ class WorkerConfig:
     wait_timeout: float = _f(600.0, "Seconds a pull may wait on the ssp/sync bound before failing.")
     wire_dtype: str = _f("none", "Wire compression: send gradients and pull weights as bf16 or fp16 (the shards "
                          "keep full precision); none sends them as they are.", choices=("none", "bf16", "fp16"))
+    overlap: bool = _f(False, "Async only: run each step's push and pull in the background while the next step "
+                       "computes (hides communication behind compute, at one step of extra staleness).", flag=True)
     no_bulk: bool = _f(False, "Send every byte through gRPC, never on the shards' bulk lanes (plain TCP beside gRPC "
                        "that carries large pushes and pulls, used when a shard offers one and its port is reachable).", flag=True)
     eval_every: int = _f(0, "Evaluate the current model on the test split every N steps (0: only at the end); "
@@ -90,6 +92,8 @@ class WorkerConfig:
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")
         self.consistency()  # validates the mode's settings
+        if self.overlap and (self.local or self.mode != "async"):
+            raise ValueError("--overlap needs --mode async and shards (--ps): ssp and sync bound what a step may see")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
         if self.threads < 0:

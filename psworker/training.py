@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pswire import errors
 from pswire.codec import WIRE_DTYPES
 from psworker.api import connect
 from psworker.client import ClientOptions
@@ -142,7 +143,8 @@ def train(config: WorkerConfig) -> dict:
             timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
             wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk,
         )
-        session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options)
+        session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options,
+                          overlap=config.overlap)
         model, optimizer = session.prepare(model, opt_config, consistency=config.consistency())
     log.info(
         "%s: task %s on %s, %d steps of batch %d, %s lr %g, %s",
@@ -192,6 +194,11 @@ def train(config: WorkerConfig) -> dict:
             progress.update(step, value, samples)
             if config.eval_every and step % config.eval_every == 0 and step < total:
                 evals.append({"step": step, "seconds": round(time.monotonic() - started, 3), **evaluate(model, task)})
+        if session is not None:
+            try:
+                session.synchronize()  # the last step's exchange (overlap) counts in the time
+            except errors.FencedError as exc:
+                log.warning("%s: the last step's push was refused: %s", config.name, exc)
         seconds = time.monotonic() - started
         if session is not None:
             session.pull(wait=False)  # the newest weights, including other workers' pushes

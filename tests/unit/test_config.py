@@ -20,6 +20,7 @@ def test_flags_win_over_environment_which_wins_over_defaults():
     (["--ps", "h:1", "--mode", "ssp", "--backup-workers", "1"], {}, "backup workers apply to sync mode only"),
     (["--ps", "h:1"], {"PSWORKER_STEPS": "many"}, "PSWORKER_STEPS='many' is not a valid int"),
     (["--ps", "h:1", "--device", "tpu"], {}, "--device must be cpu, cuda"),
+    (["--ps", "h:1", "--mode", "sync", "--overlap"], {}, "--overlap needs --mode async"),
 ])
 def test_worker_config_errors_name_the_problem(argv, env, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -32,6 +33,8 @@ def test_worker_config_errors_name_the_problem(argv, env, message, capsys):
     (["--restore", "--checkpoint-dir", "/tmp/x"], "--restore needs --shard-index"),
     (["--checkpoint-dir", "/tmp/x", "--checkpoint-every", "soon"], "--checkpoint-every must look like"),
     (["--port", "70000"], "port must be in 0..65535"),
+    (["--bulk-port", "-2"], "bulk_port must be in 0..65535, or -1"),
+    (["--max-inflight-bytes", "-1"], "max_inflight_bytes must be >= 0"),
 ])
 def test_server_config_errors_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
