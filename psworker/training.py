@@ -7,6 +7,7 @@ import logging
 import math
 from collections import deque
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -162,6 +163,12 @@ def train(config: WorkerConfig) -> dict:
         log.info("%s resumes at step %d of %d (epoch %d, position %d): the progress the shards recorded",
                  config.name, first_step, total, resume["epoch"], resume["position"])
     else:
+        if session is not None and config.mode == "sync" and config.num_workers > 1:
+            try:
+                _wait_for_workers(session, config.num_workers, config.wait_timeout, config.name)
+            except BaseException:
+                session.close()
+                raise
         log.info("%s starts at step 1 of %d", config.name, total)
     progress = _Progress(config.progress, total, config.log_every, config.name)
     recent: deque[float] = deque(maxlen=20)
@@ -226,6 +233,28 @@ def train(config: WorkerConfig) -> dict:
         **({"losses": losses} if config.record_losses else {}),
         **({"evals": evals + [{"step": total, "seconds": round(seconds, 3), **metrics}]} if config.eval_every else {}),
     }
+
+
+def _wait_for_workers(session, count: int, timeout: float, name: str) -> None:
+    """Sync: hold step 1 until ``count`` workers are live on every shard, so that every clock
+    averages every worker's gradient from the first (without this, the first worker to start
+    would train alone until the others joined). Raises ``DeadlineError`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    next_log = time.monotonic() + 5.0
+    pause = threading.Event()
+    while True:
+        live = min(sum(w.live for w in s.workers) for s in session.status())
+        if live >= count:
+            return
+        now = time.monotonic()
+        if now > deadline:
+            raise errors.DeadlineError(
+                f"only {live} of {count} workers joined the sync job within {timeout:.0f}s (--wait-timeout)"
+            )
+        if now >= next_log:
+            log.info("%s waits for %d of %d workers to join before step 1", name, count - live, count)
+            next_log = now + 5.0
+        pause.wait(0.05)  # a plain timed wait between status polls; nothing sets it
 
 
 def _local_optimizer(model: torch.nn.Module, c) -> torch.optim.Optimizer:

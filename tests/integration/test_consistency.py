@@ -13,7 +13,7 @@ import pytest
 
 from pswire.v1 import ps_pb2
 from psworker.client import ClientOptions, PSClient
-from tests.conftest import ROOT, child_env, run_cli
+from tests.conftest import ROOT, child_env, run_cli, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -147,3 +147,24 @@ def test_a_worker_asking_for_another_mode_gets_a_clear_error(shards):
     assert other.returncode == 1
     assert "consistency differs from the job's: job runs ssp (S=2" in other.stderr
     assert "worker asked for async" in other.stderr
+
+
+def test_sync_workers_hold_step_one_until_all_have_joined(shards):
+    """Every sync clock averages every worker's gradient from the first: a worker that starts
+    early waits for the others (and gives up after --wait-timeout) instead of training alone."""
+    (a,) = shards(1)
+    common = ("--task", "linreg", "--steps", "20", "--mode", "sync")
+    alone = _worker(a.address, 0, 2, *common, "--wait-timeout", "3")
+    out, err = alone.communicate(timeout=120)
+    assert alone.returncode == 1 and "only 1 of 2 workers joined the sync job within 3s" in err, err[-2000:]
+    (status,) = _status(a.address)
+    assert status.version == 0 and status.pushes_received == 0
+
+    first = _worker(a.address, 0, 2, *common)
+    wait_until(lambda: any(w.live and w.worker_name == "worker-0" for w in _status(a.address)[0].workers),
+               120, first, "the first worker's registration")
+    second = _worker(a.address, 1, 2, *common)
+    assert [r["steps"] for r in _finish([first, second])] == [20, 20]
+    (status,) = _status(a.address)
+    # 20 clocks of two gradients each: nobody stepped alone before the other joined.
+    assert (status.version, status.pushes_received, status.pushes_applied) == (20, 40, 20)
