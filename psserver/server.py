@@ -95,7 +95,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
             ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
             ("grpc.max_send_message_length", _MESSAGE_LIMIT),
             ("grpc.so_reuseport", 0),
-            # Workers ping idle connections to notice partitions (psworker.client.KEEPALIVE_MS).
+            # Workers ping idle connections to notice partitions (psworker.shard.KEEPALIVE_MS).
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
             ("grpc.http2.max_ping_strikes", 0),

@@ -1,12 +1,14 @@
 """A shard's state as checkpoint content (tensors + JSON metadata) and back.
 
 ``encode`` runs under the store's lock, so a snapshot never holds half of a push. ``decode``
-verifies everything (every part present with its dtype and shape, every optimizer state, the
-job's settings) and returns plain values; the store swaps them in only once all is verified.
+verifies everything (every part present with its dtype and shape, every optimizer state against
+the job's update rule, the job's settings) and returns fresh records; the store swaps them in
+only once all is verified.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +17,12 @@ import torch
 from pswire.codec import Part, dtype_name
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
+from psserver.consistency import PushAction
 from psserver.job import Registration
+from psserver.optimizers import UpdateRule, create_update_rule
+from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
 
-__all__ = ["FORMAT", "Decoded", "decode", "encode_job"]
+__all__ = ["FORMAT", "Decoded", "Position", "decode", "encode", "encode_job"]
 
 FORMAT = 1
 _DTYPES = {dtype_name(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -58,19 +63,72 @@ def _decode_job(doc: dict[str, Any]) -> Registration:
     )
 
 
+@dataclass(frozen=True)
+class Position:
+    """Where a shard stands, beside its records."""
+
+    version: int
+    clock: int
+    clock_floor: int
+    open_clock: int
+    next_worker_id: int
+
+
+def encode(
+    job: Registration, slots: Mapping[str, Slot], sync: SyncClock, workers: Mapping[str, Worker],
+    counters: Counters, position: Position,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Copies of every tensor of the state, by name, and the metadata beside them (caller
+    holds the store's lock)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key, slot in slots.items():
+        tensors[f"var/{key}"] = slot.value.clone()
+        for name, t in slot.state.items():
+            tensors[f"opt/{key}/{name}"] = t.clone()
+    for key, total in sync.sums.items():
+        tensors[f"sum/{key}"] = total.clone()
+    metadata = {
+        "format": FORMAT,
+        "job": encode_job(job),
+        "version": position.version,
+        "clock": position.clock,
+        "clock_floor": position.clock_floor,
+        "open_clock": position.open_clock,
+        "received": sync.received,
+        "contributors": sorted(sync.contributors),
+        "counts": dict(sync.counts),
+        "slot_versions": {k: s.version for k, s in slots.items()},
+        "next_worker_id": position.next_worker_id,
+        "workers": [
+            {"name": w.name, "id": w.worker_id, "generation": w.generation, "clock": w.clock,
+             "live": w.live, "evicted": w.evicted, "pushes": w.pushes, "max_sequence": w.max_sequence,
+             "applied": [[q, r.version, r.staleness, r.action.value] for q, r in w.applied.items()],
+             "data": w.data}
+            for w in workers.values()
+        ],
+        "counters": counters.checkpointed(),
+    }
+    return tensors, metadata
+
+
 @dataclass
 class Decoded:
     job: Registration
-    values: dict[str, torch.Tensor]
-    states: dict[str, dict[str, torch.Tensor]]
-    sums: dict[str, torch.Tensor]
-    metadata: dict[str, Any]
+    rule: UpdateRule
+    slots: dict[str, Slot]
+    sync: SyncClock
+    workers: dict[str, Worker]
+    """Every worker the checkpoint knew, fenced: each must re-register."""
+    position: Position
+    counters: dict[str, Any]
+    """What :meth:`Counters.checkpointed` wrote, for :meth:`Counters.restore`."""
 
 
-def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Decoded:
-    """Check a checkpoint part for completeness and consistency (the store checks optimizer state
-    against its update rule). Raises ``ValueError`` naming the first problem; returns the pieces
-    the store needs to resume."""
+def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *, now: float, source: str) -> Decoded:
+    """Check a checkpoint part for completeness and consistency, and rebuild the store's records
+    from copies of its tensors; ``now`` (the store's clock) starts each worker's lease, and the
+    workers are fenced as restored from ``source``. Raises ``ValueError`` naming the first
+    problem."""
     if metadata.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {metadata.get('format')!r}, this shard reads format {FORMAT}")
     job = _decode_job(metadata["job"])
@@ -87,10 +145,40 @@ def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Decode
         prefix = f"opt/{part.key}/"
         states[part.key] = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
         if f"sum/{part.key}" in tensors:
-            sums[part.key] = tensors[f"sum/{part.key}"]
+            sums[part.key] = tensors[f"sum/{part.key}"].clone()
     for key in ("version", "clock_floor", "open_clock", "received", "workers", "slot_versions", "next_worker_id"):
         if key not in metadata:
             raise ValueError(f"metadata lacks {key!r}")
     if set(metadata["slot_versions"]) != set(values):
         raise ValueError("metadata's part versions do not match the variables")
-    return Decoded(job, values, states, sums, metadata)
+    rule = create_update_rule(job.optimizer)
+    for key, state in states.items():
+        fresh = rule.init_state(values[key])
+        if set(state) != set(fresh):
+            raise ValueError(f"optimizer state of {key!r} has {sorted(state)}, expected {sorted(fresh)}")
+        for name, t in state.items():
+            if t.dtype != fresh[name].dtype or t.shape != fresh[name].shape:
+                raise ValueError(f"optimizer state {name!r} of {key!r} has the wrong dtype or shape")
+    slots = {
+        p.key: Slot(p, values[p.key].clone(), {n: t.clone() for n, t in states[p.key].items()},
+                    int(metadata["slot_versions"][p.key]))
+        for p in job.parts
+    }
+    workers = {}
+    for w in metadata["workers"]:
+        worker = Worker(int(w["id"]), str(w["name"]), int(w["generation"]), clock=int(w["clock"]),
+                        live=False, evicted=False, pushes=int(w["pushes"]), heard_at=now,
+                        fenced=f"the shard was restored from {source}", data=dict(w.get("data") or {}))
+        worker.max_sequence = int(w["max_sequence"])
+        worker.applied = {int(q): PushResult(int(v), int(st), PushAction(a)) for q, v, st, a in w["applied"]}
+        workers[worker.name] = worker
+    sync = SyncClock(
+        sums, {k: int(v) for k, v in metadata.get("counts", {}).items()}, int(metadata["received"]),
+        {str(n) for n in metadata.get("contributors", [])} & set(workers),
+    )
+    position = Position(
+        version=int(metadata["version"]), clock=int(metadata.get("clock", metadata["clock_floor"])),
+        clock_floor=int(metadata["clock_floor"]), open_clock=int(metadata["open_clock"]),
+        next_worker_id=int(metadata["next_worker_id"]),
+    )
+    return Decoded(job, rule, slots, sync, workers, position, dict(metadata.get("counters", {})))

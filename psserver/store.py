@@ -25,13 +25,11 @@ from psserver.leases import expired
 from psserver.consistency import Mode, PushAction
 from psserver.job import Registration, check_finite, check_parts, check_same_job, fmt_bytes
 from psserver.optimizers import UpdateRule, create_update_rule
+from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
 
 __all__ = ["PullSnapshot", "PulledPart", "PushResult", "RegisterResult", "Registration", "ShardState", "ShardStore"]
 
 log = logging.getLogger(__name__)
-
-STALENESS_BUCKETS = 17
-"""Staleness histogram: one bucket per value 0..15, the last one for 16 and above."""
 
 
 class ShardState(enum.Enum):
@@ -51,13 +49,6 @@ class RegisterResult:
     lease_seconds: float = 0.0
     data: dict = field(default_factory=dict)
     """This worker's last recorded progress (a restarted worker resumes from it)."""
-
-
-@dataclass(frozen=True)
-class PushResult:
-    version: int
-    staleness: int
-    action: PushAction
 
 
 @dataclass(frozen=True)
@@ -93,43 +84,6 @@ class PullSnapshot:
         self.release()
 
 
-@dataclass
-class _Slot:
-    part: Part
-    value: torch.Tensor
-    state: dict[str, torch.Tensor]
-    version: int = 0
-    readers: int = 0
-    """Unreleased pull snapshots holding ``value`` itself: an update first replaces it with a
-    copy (copy on write), so a pull never copies the variables and never sees half a push."""
-
-    def writable(self) -> torch.Tensor:
-        """``value``, once no snapshot holds it (caller holds the store's lock)."""
-        if self.readers:
-            self.value, self.readers = self.value.clone(), 0
-        return self.value
-
-
-@dataclass
-class _Worker:
-    worker_id: int
-    name: str
-    generation: int
-    clock: int = 0
-    live: bool = True
-    evicted: bool = False
-    pushes: int = 0
-    heard_at: float = 0.0
-    """When the shard last heard from it, on the store's monotonic clock (for its lease)."""
-    fenced: str = ""
-    """Why this registration is void until the worker re-registers (e.g. the shard restored)."""
-    data: dict = field(default_factory=dict)
-    """The worker's progress as its last push reported it: step, epoch, position."""
-    applied: dict[int, PushResult] = field(default_factory=dict)
-    """Sequence -> reply of this generation's recent pushes, oldest first (bounded)."""
-    max_sequence: int = 0
-
-
 class ShardStore:
     """The variables and optimizer state of one shard.
 
@@ -162,31 +116,19 @@ class ShardStore:
         self._state = ShardState.EMPTY
         self._job: Registration | None = None
         self._rule: UpdateRule | None = None
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, Slot] = {}
         self._initializer: int | None = None
         self._init_deadline = 0.0
-        self._workers: dict[str, _Worker] = {}
-        self._by_id: dict[int, _Worker] = {}  # the same workers, keyed by id for every push
+        self._workers: dict[str, Worker] = {}
+        self._by_id: dict[int, Worker] = {}  # the same workers, keyed by id for every push
         self._next_worker_id = 1
         self._version = 0
         self._clock_floor = 0
-        # Sync mode: the clock being collected, and the running sums of its gradients.
+        # Sync mode: the clock being collected, and the gradients received for it.
         self._open_clock = 0
-        self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}
-        self._received = 0
-        self._contributors: set[str] = set()
+        self._sync = SyncClock()
         self._waiting_pulls = 0
-        self._pull_wait_seconds = 0.0
-        self._pushes_received = 0
-        self._pushes_applied = 0
-        self._pushes_rejected = 0
-        self._pushes_dropped = 0
-        self._pushes_scaled = 0
-        self._pulls_served = 0
-        self._workers_evicted = 0
-        self._max_staleness = 0
-        self._staleness_counts = [0] * STALENESS_BUCKETS
+        self._counters = Counters()
         # Checkpoints every N steps: the state is copied the moment the clock reaches a multiple
         # of N (in sync an exact cut), so every shard's part of checkpoint C is its state at
         # clock C whenever its writer thread gets to it. At most two cuts wait to be written.
@@ -220,7 +162,7 @@ class ShardStore:
             start = self._current_clock()
             worker = self._workers.get(reg.worker_name)
             if worker is None:
-                worker = _Worker(self._next_worker_id, reg.worker_name, 1, clock=start)
+                worker = Worker(self._next_worker_id, reg.worker_name, 1, clock=start)
                 self._next_worker_id += 1
                 self._workers[reg.worker_name] = self._by_id[worker.worker_id] = worker
             else:
@@ -267,7 +209,7 @@ class ShardStore:
             for name in names:
                 worker = self._workers[name]
                 worker.live, worker.evicted = False, True
-                self._workers_evicted += 1
+                self._counters.workers_evicted += 1
                 log.warning(
                     "evicted %s (generation %d, clock %d): no heartbeat for %.1fs, lease %.1fs",
                     name, worker.generation, worker.clock, now - worker.heard_at, self._lease_timeout,
@@ -276,7 +218,7 @@ class ShardStore:
                 self._membership_changed()
             return names
 
-    def _check_worker(self, worker_id: int, generation: int) -> _Worker:
+    def _check_worker(self, worker_id: int, generation: int) -> Worker:
         # Caller holds _lock.
         worker = self._by_id.get(worker_id)
         if worker is None:
@@ -313,13 +255,13 @@ class ShardStore:
 
     def _live_contributors(self) -> int:
         # Gradients of workers that left still join the mean, but only live ones fill a quorum.
-        return sum(1 for n in self._contributors if self._workers[n].live)
+        return sum(1 for n in self._sync.contributors if self._workers[n].live)
 
     def _membership_changed(self) -> None:
         # Caller holds _lock. A clock may have advanced, or a sync quorum been reached.
         self._clock_floor = self._current_clock()
         job = self._job
-        if job is not None and job.consistency.mode is Mode.SYNC and self._received:
+        if job is not None and job.consistency.mode is Mode.SYNC and self._sync.received:
             if self._live_contributors() >= self._quorum():
                 self._apply_aggregate()
         self._maybe_cut()
@@ -412,7 +354,7 @@ class ShardStore:
                 return False, self._version
             assert self._rule is not None
             self._slots = {
-                part.key: _Slot(part, value, self._rule.init_state(value)) for part, value in zip(job.parts, values)
+                part.key: Slot(part, value, self._rule.init_state(value)) for part, value in zip(job.parts, values)
             }
             self._state = ShardState.READY
             self._changed.notify_all()
@@ -443,7 +385,7 @@ class ShardStore:
         for part, grad in zip(parts, grads, strict=True):
             check_finite(part, grad, "gradient")
         with self._lock:
-            self._pushes_received += 1
+            self._counters.pushes_received += 1
             if self._state is not ShardState.READY:
                 raise NotReadyError("this shard is not initialised yet")
             worker = self._check_worker(worker_id, generation)
@@ -467,14 +409,13 @@ class ShardStore:
                 job.consistency, staleness, push_clock=clock, open_clock=self._open_clock,
                 received=self._live_contributors(), quorum=self._quorum(),
             )
-            if decision.action is PushAction.ACCUMULATE and worker.name in self._contributors:
+            if decision.action is PushAction.ACCUMULATE and worker.name in self._sync.contributors:
                 # One gradient per worker per clock, even across a re-registration.
                 decision = cons.PushDecision(PushAction.DROP, f"sync: {worker.name} already sent clock {clock}")
             if decision.action is PushAction.ACCUMULATE:
-                self._accumulate(parts, grads)
-                self._contributors.add(worker.name)
+                self._sync.add(worker.name, parts, grads)
             elif decision.action is PushAction.DROP:
-                self._pushes_dropped += 1
+                self._counters.pushes_dropped += 1
                 log.debug("push of %s dropped: %s", worker.name, decision.reason)
             elif parts:  # a push with no parts only advances the worker's clock
                 self._version += 1
@@ -482,9 +423,9 @@ class ShardStore:
                     slot = self._slots[part.key]
                     self._rule.apply(slot.writable(), grad, slot.state, lr_scale=decision.lr_scale)
                     slot.version = self._version
-                self._pushes_applied += 1
-                self._pushes_scaled += decision.action is PushAction.SCALE
-                self._record_staleness(staleness)
+                self._counters.pushes_applied += 1
+                self._counters.pushes_scaled += decision.action is PushAction.SCALE
+                self._counters.record_staleness(staleness)
             worker.pushes += 1
             worker.clock = max(worker.clock, clock + 1)
             if data:
@@ -498,41 +439,22 @@ class ShardStore:
             self._membership_changed()
             return result
 
-    def _accumulate(self, parts: Sequence[Part], grads: Sequence[torch.Tensor]) -> None:
-        # Caller holds _lock. Sums are kept per part; the mean divides by that part's count.
-        for part, grad in zip(parts, grads):
-            total = self._sums.get(part.key)
-            if total is None:
-                self._sums[part.key] = grad.clone()
-            else:
-                total.add_(grad)
-            self._counts[part.key] = self._counts.get(part.key, 0) + 1
-        self._received += 1
-
     def _apply_aggregate(self) -> None:
         # Caller holds _lock. One update per sync clock: the mean of the gradients received.
         assert self._rule is not None
         self._version += 1
-        for key, total in self._sums.items():
-            count = self._counts[key]
-            if count > 1:
-                total.div_(count)
+        for key, mean in self._sync.means():
             slot = self._slots[key]
-            self._rule.apply(slot.writable(), total, slot.state)
+            self._rule.apply(slot.writable(), mean, slot.state)
             slot.version = self._version
-        self._pushes_applied += 1
-        self._record_staleness(0)
-        self._sums, self._counts, self._received = {}, {}, 0
-        self._contributors = set()
+        self._counters.pushes_applied += 1
+        self._counters.record_staleness(0)
+        self._sync = SyncClock()
         self._open_clock += 1
-
-    def _record_staleness(self, staleness: int) -> None:
-        self._max_staleness = max(self._max_staleness, staleness)
-        self._staleness_counts[min(staleness, STALENESS_BUCKETS - 1)] += 1
 
     def note_rejected(self) -> None:
         with self._lock:
-            self._pushes_rejected += 1
+            self._counters.pushes_rejected += 1
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -552,7 +474,7 @@ class ShardStore:
                         raise on_timeout()
         finally:
             self._waiting_pulls -= 1
-            self._pull_wait_seconds += self._now() - started
+            self._counters.pull_wait_seconds += self._now() - started
 
     def wait_ready(self, timeout: float) -> None:
         """Block until initialised; raises ``NotReadyError`` after ``timeout`` seconds."""
@@ -615,16 +537,16 @@ class ShardStore:
                     slot.readers += 1
                     held.append((slot, slot.value))
                     out.append(PulledPart(slot.part, slot.version, slot.value))
-            self._pulls_served += 1
+            self._counters.pulls_served += 1
             return PullSnapshot(self._version, self._current_clock(), out, lambda: self._release(held))
 
-    def _release(self, held: list[tuple[_Slot, torch.Tensor]]) -> None:
+    def _release(self, held: list[tuple[Slot, torch.Tensor]]) -> None:
         with self._lock:
             for slot, value in held:
                 if slot.value is value:  # else an update already moved to a copy
                     slot.readers -= 1
 
-    def _wait_for_bound(self, consistency: cons.Consistency, reader: _Worker, clock: int, deadline: float) -> None:
+    def _wait_for_bound(self, consistency: cons.Consistency, reader: Worker, clock: int, deadline: float) -> None:
         # Caller holds _lock. Also ends when the reader is fenced off or leaves while it waits.
         name, generation = reader.name, reader.generation
 
@@ -671,18 +593,18 @@ class ShardStore:
                      "evicted": w.evicted}
                     for w in self._workers.values()
                 ],
-                "pushes_received": self._pushes_received,
-                "pushes_applied": self._pushes_applied,
-                "pushes_rejected": self._pushes_rejected,
-                "pushes_dropped": self._pushes_dropped,
-                "pushes_scaled": self._pushes_scaled,
-                "pulls_served": self._pulls_served,
+                "pushes_received": self._counters.pushes_received,
+                "pushes_applied": self._counters.pushes_applied,
+                "pushes_rejected": self._counters.pushes_rejected,
+                "pushes_dropped": self._counters.pushes_dropped,
+                "pushes_scaled": self._counters.pushes_scaled,
+                "pulls_served": self._counters.pulls_served,
                 "pulls_waiting": self._waiting_pulls,
-                "pull_wait_seconds": self._pull_wait_seconds,
-                "workers_evicted": self._workers_evicted,
+                "pull_wait_seconds": self._counters.pull_wait_seconds,
+                "workers_evicted": self._counters.workers_evicted,
                 "lease_seconds": self._lease_timeout or 0.0,
-                "max_staleness": self._max_staleness,
-                "staleness_histogram": list(self._staleness_counts),
+                "max_staleness": self._counters.max_staleness,
+                "staleness_histogram": list(self._counters.staleness_counts),
                 "uptime_seconds": now - self._started,
             }
 
@@ -699,36 +621,9 @@ class ShardStore:
     def _export(self) -> tuple[int, dict[str, torch.Tensor], dict]:
         # Caller holds _lock; the shard is ready.
         assert self._job is not None
-        tensors: dict[str, torch.Tensor] = {}
-        for key, slot in self._slots.items():
-            tensors[f"var/{key}"] = slot.value.clone()
-            for name, t in slot.state.items():
-                tensors[f"opt/{key}/{name}"] = t.clone()
-        for key, total in self._sums.items():
-            tensors[f"sum/{key}"] = total.clone()
-        metadata = {
-            "format": snapshot.FORMAT,
-            "job": snapshot.encode_job(self._job),
-            "version": self._version,
-            "clock": self._current_clock(),
-            "clock_floor": self._clock_floor,
-            "open_clock": self._open_clock,
-            "received": self._received,
-            "contributors": sorted(self._contributors),
-            "counts": dict(self._counts),
-            "slot_versions": {k: s.version for k, s in self._slots.items()},
-            "next_worker_id": self._next_worker_id,
-            "workers": [
-                {"name": w.name, "id": w.worker_id, "generation": w.generation, "clock": w.clock,
-                 "live": w.live, "evicted": w.evicted, "pushes": w.pushes, "max_sequence": w.max_sequence,
-                 "applied": [[q, r.version, r.staleness, r.action.value] for q, r in w.applied.items()],
-                 "data": w.data}
-                for w in self._workers.values()
-            ],
-            "counters": {"pushes_applied": self._pushes_applied, "pushes_dropped": self._pushes_dropped,
-                         "pushes_scaled": self._pushes_scaled, "max_staleness": self._max_staleness,
-                         "staleness_histogram": list(self._staleness_counts)},
-        }
+        position = snapshot.Position(self._version, self._current_clock(), self._clock_floor, self._open_clock,
+                                     self._next_worker_id)
+        tensors, metadata = snapshot.encode(self._job, self._slots, self._sync, self._workers, self._counters, position)
         return self._version, tensors, metadata
 
     def restore(self, tensors: dict[str, torch.Tensor], metadata: dict, *, source: str) -> None:
@@ -738,54 +633,27 @@ class ShardStore:
         call tells them to re-register, pull the restored weights and carry on. Raises
         ``PreconditionError`` if the shard already holds a job, ``ValueError`` naming what is
         wrong with the checkpoint (and then nothing has changed)."""
-        decoded = snapshot.decode(tensors, metadata)
-        rule = create_update_rule(decoded.job.optimizer)
-        for key, state in decoded.states.items():
-            fresh = rule.init_state(decoded.values[key])
-            if set(state) != set(fresh):
-                raise ValueError(f"optimizer state of {key!r} has {sorted(state)}, expected {sorted(fresh)}")
-            for name, t in state.items():
-                if t.dtype != fresh[name].dtype or t.shape != fresh[name].shape:
-                    raise ValueError(f"optimizer state {name!r} of {key!r} has the wrong dtype or shape")
-        workers = {}
-        for w in metadata["workers"]:
-            worker = _Worker(int(w["id"]), str(w["name"]), int(w["generation"]), clock=int(w["clock"]),
-                             live=False, evicted=False, pushes=int(w["pushes"]), heard_at=self._now(),
-                             fenced=f"the shard was restored from {source}", data=dict(w.get("data") or {}))
-            worker.max_sequence = int(w["max_sequence"])
-            worker.applied = {int(q): PushResult(int(v), int(st), PushAction(a)) for q, v, st, a in w["applied"]}
-            workers[worker.name] = worker
-        counters = metadata.get("counters", {})
+        decoded = snapshot.decode(tensors, metadata, now=self._now(), source=source)
+        position = decoded.position
         with self._lock:
             if self._job is not None:
                 raise PreconditionError("this shard already serves a job; restore only into a fresh shard")
-            self._job, self._rule = decoded.job, rule
-            self._slots = {
-                p.key: _Slot(p, decoded.values[p.key].clone(), {n: t.clone() for n, t in decoded.states[p.key].items()},
-                             int(metadata["slot_versions"][p.key]))
-                for p in decoded.job.parts
-            }
-            self._sums = {k: t.clone() for k, t in decoded.sums.items()}
-            self._counts = {k: int(v) for k, v in metadata.get("counts", {}).items()}
-            self._received = int(metadata["received"])
-            self._contributors = {str(n) for n in metadata.get("contributors", [])} & set(workers)
-            self._version = int(metadata["version"])
-            self._clock_floor = int(metadata.get("clock", metadata["clock_floor"]))
-            self._open_clock = int(metadata["open_clock"])
-            self._workers = workers
-            self._by_id = {w.worker_id: w for w in workers.values()}
-            self._next_worker_id = int(metadata["next_worker_id"])
-            self._pushes_applied = int(counters.get("pushes_applied", 0))
-            self._pushes_dropped = int(counters.get("pushes_dropped", 0))
-            self._pushes_scaled = int(counters.get("pushes_scaled", 0))
-            self._max_staleness = int(counters.get("max_staleness", 0))
-            self._staleness_counts = list(counters.get("staleness_histogram", self._staleness_counts))
+            self._job, self._rule = decoded.job, decoded.rule
+            self._slots = decoded.slots
+            self._sync = decoded.sync
+            self._version = position.version
+            self._clock_floor = position.clock  # the clock the shard had reached when it was cut
+            self._open_clock = position.open_clock
+            self._workers = decoded.workers
+            self._by_id = {w.worker_id: w for w in decoded.workers.values()}
+            self._next_worker_id = position.next_worker_id
+            self._counters.restore(decoded.counters)
             self._state = ShardState.READY
             every = self._cut_every
             self._last_cut = max(self._last_cut, self._clock_floor - self._clock_floor % every if every else 0)
             self._changed.notify_all()
         log.info("restored from %s: version %d, clock %d, %d workers fenced until they re-register",
-                 source, self._version, self._clock_floor, len(workers))
+                 source, self._version, self._clock_floor, len(decoded.workers))
 
     def tensor(self, key: str) -> torch.Tensor:
         """A copy of one part's current value (for tests and tools)."""

@@ -30,8 +30,9 @@ from pswire import errors
 from pswire.codec import Part
 from pswire.placement import model_spec
 from pswire.v1 import ps_pb2
-from psworker.client import ClientOptions, PSClient, ShardClient, _retrying, parse_addresses
+from psworker.client import ClientOptions, PSClient, ShardClient, parse_addresses
 from psworker.config import parse_args
+from psworker.shard import _retrying
 from psworker.tasks import load_task
 from tests.conftest import ROOT, child_env
 

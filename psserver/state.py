@@ -1,0 +1,129 @@
+"""The records a shard's store keeps: a slot per part (the variable and its optimizer state), a
+record per worker, the gradients collected for the open sync clock, and the counters that
+``psctl status`` shows and checkpoints carry.
+
+Plain data without locks of their own: ``ShardStore._lock`` guards every one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pswire.codec import Part
+from psserver.consistency import PushAction
+
+__all__ = ["STALENESS_BUCKETS", "Counters", "PushResult", "Slot", "SyncClock", "Worker"]
+
+STALENESS_BUCKETS = 17
+"""Staleness histogram: one bucket per value 0..15, the last one for 16 and above."""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    staleness: int
+    action: PushAction
+
+
+@dataclass
+class Slot:
+    part: Part
+    value: torch.Tensor
+    state: dict[str, torch.Tensor]
+    version: int = 0
+    readers: int = 0
+    """Unreleased pull snapshots holding ``value`` itself: an update first replaces it with a
+    copy (copy on write), so a pull never copies the variables and never sees half a push."""
+
+    def writable(self) -> torch.Tensor:
+        """``value``, once no snapshot holds it (caller holds the store's lock)."""
+        if self.readers:
+            self.value, self.readers = self.value.clone(), 0
+        return self.value
+
+
+@dataclass
+class Worker:
+    worker_id: int
+    name: str
+    generation: int
+    clock: int = 0
+    live: bool = True
+    evicted: bool = False
+    pushes: int = 0
+    heard_at: float = 0.0
+    """When the shard last heard from it, on the store's monotonic clock (for its lease)."""
+    fenced: str = ""
+    """Why this registration is void until the worker re-registers (e.g. the shard restored)."""
+    data: dict = field(default_factory=dict)
+    """The worker's progress as its last push reported it: step, epoch, position."""
+    applied: dict[int, PushResult] = field(default_factory=dict)
+    """Sequence -> reply of this generation's recent pushes, oldest first (bounded)."""
+    max_sequence: int = 0
+
+
+@dataclass
+class SyncClock:
+    """The gradients received for the clock a sync shard is collecting. Sums are kept per part,
+    and each mean divides by its own part's count: a push may name a subset of the parts."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    received: int = 0
+    """Pushes added, the clock-only ones (no parts) included."""
+    contributors: set[str] = field(default_factory=set)
+    """Names of the workers whose gradient is in the sums: one each per clock."""
+
+    def add(self, worker: str, parts: Sequence[Part], grads: Sequence[torch.Tensor]) -> None:
+        for part, grad in zip(parts, grads):
+            total = self.sums.get(part.key)
+            if total is None:
+                self.sums[part.key] = grad.clone()
+            else:
+                total.add_(grad)
+            self.counts[part.key] = self.counts.get(part.key, 0) + 1
+        self.received += 1
+        self.contributors.add(worker)
+
+    def means(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(key, mean gradient)`` per part received, each mean computed in place in its sum."""
+        for key, total in self.sums.items():
+            count = self.counts[key]
+            if count > 1:
+                total.div_(count)
+            yield key, total
+
+
+@dataclass
+class Counters:
+    pushes_received: int = 0
+    pushes_applied: int = 0
+    pushes_rejected: int = 0
+    pushes_dropped: int = 0
+    pushes_scaled: int = 0
+    pulls_served: int = 0
+    pull_wait_seconds: float = 0.0
+    workers_evicted: int = 0
+    max_staleness: int = 0
+    staleness_counts: list[int] = field(default_factory=lambda: [0] * STALENESS_BUCKETS)
+
+    def record_staleness(self, staleness: int) -> None:
+        self.max_staleness = max(self.max_staleness, staleness)
+        self.staleness_counts[min(staleness, STALENESS_BUCKETS - 1)] += 1
+
+    def checkpointed(self) -> dict:
+        """The counters a checkpoint keeps (the others count this process's traffic)."""
+        return {"pushes_applied": self.pushes_applied, "pushes_dropped": self.pushes_dropped,
+                "pushes_scaled": self.pushes_scaled, "max_staleness": self.max_staleness,
+                "staleness_histogram": list(self.staleness_counts)}
+
+    def restore(self, doc: dict) -> None:
+        """Carry on the counters of a checkpoint's :meth:`checkpointed` (those it lacks stay)."""
+        self.pushes_applied = int(doc.get("pushes_applied", self.pushes_applied))
+        self.pushes_dropped = int(doc.get("pushes_dropped", self.pushes_dropped))
+        self.pushes_scaled = int(doc.get("pushes_scaled", self.pushes_scaled))
+        self.max_staleness = int(doc.get("max_staleness", self.max_staleness))
+        self.staleness_counts = [int(n) for n in doc.get("staleness_histogram", self.staleness_counts)]
