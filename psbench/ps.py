@@ -17,8 +17,8 @@ from pswire.optim import OptimizerConfig
 from pswire.placement import model_spec
 from psworker.client import ClientOptions, PSClient
 
-__all__ = ["CallCost", "GoodputResult", "LatencyResult", "bench_model", "measure_goodput", "measure_small_latency",
-           "start_shards"]
+__all__ = ["ADAM", "CallCost", "GoodputResult", "LatencyResult", "bench_model", "measure_goodput",
+           "measure_small_latency", "start_shards"]
 
 MIB = 1 << 20
 _COLUMNS = 1024  # a row of the big matrix is 4 KiB of float32
@@ -27,6 +27,8 @@ _SMALL_VARIABLES = ("bias_a", "bias_b")
 # SGD without momentum keeps no optimizer state and applies in one in-place op, so the figures
 # measure moving bytes, not arithmetic.
 _SGD = OptimizerConfig(name="sgd", lr=1e-3)
+ADAM = OptimizerConfig(name="adam", lr=1e-3)
+"""An optimizer with state (two moments per variable) for the shard-memory figure beside SGD's."""
 
 
 def bench_model(size_mib: int) -> dict[str, torch.Tensor]:
@@ -156,13 +158,14 @@ class _Paired:
 
 def measure_goodput(
     children: Children, size_mib: int, shards: int, *, reps: int, warmup: int,
-    reference: Callable[[int], float] | None = None, bulk: bool = True,
+    reference: Callable[[int], float] | None = None, bulk: bool = True, optimizer: OptimizerConfig = _SGD,
 ) -> GoodputResult:
     """Start ``shards`` fresh shards, register a ``size_mib`` model, then time ``warmup`` +
     ``reps`` rounds of a push of a full gradient followed by a pull of every variable.
     ``reference(nbytes)``, when given, runs before each round with the round's byte count (a
     TCP transfer: the ratio's other side under the same load). The shards are stopped before
-    returning. ``bulk=False``: shards without bulk lanes, every byte through gRPC. Raises
+    returning. ``bulk=False``: shards without bulk lanes, every byte through gRPC. ``optimizer``:
+    the shards' update rule (SGD without momentum by default: no state, one in-place op). Raises
     ``pswire.errors.PSError`` or ``ChildError``."""
     started = start_shards(children, shards, *(() if bulk else ("--bulk-port", "-1")))
     try:
@@ -174,7 +177,7 @@ def measure_goodput(
         paired = _Paired(None if reference is None else lambda: reference(2 * nbytes))
         with _client([address for _, address in started], bulk=bulk) as client:
             began = time.perf_counter()
-            client.register(model_spec(model.items()), _SGD, worker_name="psbench", initial_values=model)
+            client.register(model_spec(model.items()), optimizer, worker_name="psbench", initial_values=model)
             init_seconds = time.perf_counter() - began
             del model  # the shards hold it now; keep this process's memory out of their way
             for _ in range(warmup):

@@ -106,14 +106,19 @@ def _training(rows: list[dict]) -> list[str]:
 
 
 def _memory(memory: dict) -> list[str]:
+    columns = [("SGD (the check)", memory)] + ([("Adam", memory["adam"])] if memory.get("adam") else [])
+
+    def mib(key: str) -> list[str]:
+        return [f"{figures[key] / MIB:,.0f} MiB" for _, figures in columns]
+
     return [f"Shard memory: {memory['size_mib']} MiB model on 1 shard", *_table(
-        ["figure", "value"],
+        ["figure", *(name for name, _ in columns)],
         [
-            ["held (variables + optimizer state)", f"{memory['held_bytes'] / MIB:,.0f} MiB"],
-            ["resident at start (idle)", f"{memory['idle_rss_bytes'] / MIB:,.0f} MiB"],
-            ["peak resident (VmHWM)", f"{memory['peak_rss_bytes'] / MIB:,.0f} MiB"],
-            ["peak / held", _ratio(memory["ratio_to_held"])],
-            ["target: 1.5 x held + 200 MiB", f"{memory['target_bytes'] / MIB:,.0f} MiB"],
+            ["held (variables + optimizer state)", *mib("held_bytes")],
+            ["resident at start (idle)", *mib("idle_rss_bytes")],
+            ["peak resident (VmHWM)", *mib("peak_rss_bytes")],
+            ["peak / held", *(_ratio(figures["ratio_to_held"]) for _, figures in columns)],
+            ["target: 1.5 x held + 200 MiB", *mib("target_bytes")],
         ],
     )]
 

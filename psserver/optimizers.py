@@ -6,6 +6,11 @@ updated locally up to the rounding of its dtype (bit for bit on CPU in practice)
 elementwise, so a tensor split into row slices, each with its own state, is updated exactly as
 the whole tensor would be.
 
+A large tensor is updated in slices of ``CHUNK_ELEMENTS`` (a multiple of every SIMD width, so
+each element still takes the same path through torch's kernels): the temporaries a rule needs
+(Adam's denominator, a weight-decayed gradient) then cost one slice, not a second copy of the
+variable, and each slice stays in cache across the rule's several passes.
+
 Optimizer state is a flat ``dict[str, torch.Tensor]`` with stable names (``step``,
 ``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``sum``) and contiguous
 tensors only, so a shard can checkpoint it as safetensors without conversion.
@@ -23,7 +28,10 @@ import torch
 
 from pswire.optim import OptimizerConfig
 
-__all__ = ["Adagrad", "Adam", "Sgd", "UpdateRule", "create_update_rule"]
+__all__ = ["CHUNK_ELEMENTS", "Adagrad", "Adam", "Sgd", "UpdateRule", "create_update_rule"]
+
+CHUNK_ELEMENTS = 1 << 18
+"""Elements per slice of an update (1 MiB of float32)."""
 
 
 class UpdateRule(abc.ABC):
@@ -39,10 +47,15 @@ class UpdateRule(abc.ABC):
     state_names: tuple[str, ...]
     """The keys of the dict :meth:`init_state` returns for this config."""
 
-    def __init__(self, config: OptimizerConfig) -> None:
+    def __init__(self, config: OptimizerConfig, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         if config.name != self.name:
             raise ValueError(f"{type(self).__name__} cannot run optimizer {config.name!r}")
+        if chunk_elements < 1 or chunk_elements % 64:
+            raise ValueError(f"chunk_elements must be a positive multiple of 64, got {chunk_elements}")
         self.config = config
+        self.chunk_elements = chunk_elements
+        self.single_pass = False
+        """True when the update is one in-place op with no temporary: slicing would only add calls."""
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """Fresh state for ``param``: contiguous tensors on its device, plus an int64 ``step``.
@@ -93,7 +106,17 @@ class UpdateRule(abc.ABC):
         lr = self.config.lr * lr_scale
         with torch.no_grad():
             state["step"] += 1
-            self._update(param, grad, state, lr, int(state["step"].item()))
+            step = int(state["step"].item())
+            names = [key for key in self.state_names if key != "step"]
+            tensors = [param, grad, *(state[key] for key in names)]
+            n, chunk = param.numel(), self.chunk_elements
+            if self.single_pass or n <= chunk or not all(t.is_contiguous() for t in tensors):
+                self._update(param, grad, state, lr, step)
+                return
+            flat = [t.view(-1) for t in tensors]
+            for start in range(0, n, chunk):
+                p, g, *rest = (t[start:start + chunk] for t in flat)
+                self._update(p, g, dict(zip(names, rest)), lr, step)
 
     @abc.abstractmethod
     def _init_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -108,7 +131,8 @@ class UpdateRule(abc.ABC):
         lr: float,
         step: int,
     ) -> None:
-        """The step proper; ``step`` counts from 1 and has already been stored in ``state``."""
+        """The step proper, on the whole tensor or one slice of it (``state`` then holds the same
+        slice of each buffer, and no ``step``); ``step`` counts from 1."""
 
     def _with_weight_decay(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         # A fresh tensor rather than grad.add_: the caller's gradient buffer stays untouched,
@@ -128,9 +152,10 @@ class Sgd(UpdateRule):
 
     name = "sgd"
 
-    def __init__(self, config: OptimizerConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: OptimizerConfig, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+        super().__init__(config, chunk_elements=chunk_elements)
         self.state_names = ("step", "momentum_buffer") if config.momentum != 0 else ("step",)
+        self.single_pass = config.momentum == 0 and config.weight_decay == 0
 
     def _init_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"momentum_buffer": _zeros(param)} if self.config.momentum != 0 else {}
@@ -161,8 +186,8 @@ class Adam(UpdateRule):
 
     name = "adam"
 
-    def __init__(self, config: OptimizerConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: OptimizerConfig, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+        super().__init__(config, chunk_elements=chunk_elements)
         self.state_names = ("step", "exp_avg", "exp_avg_sq") + (
             ("max_exp_avg_sq",) if config.amsgrad else ()
         )
@@ -221,10 +246,11 @@ class Adagrad(UpdateRule):
 _RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (Sgd, Adam, Adagrad)}
 
 
-def create_update_rule(config: OptimizerConfig) -> UpdateRule:
-    """The update rule for ``config``.
+def create_update_rule(config: OptimizerConfig, *, chunk_elements: int = CHUNK_ELEMENTS) -> UpdateRule:
+    """The update rule for ``config``, updating large tensors ``chunk_elements`` at a time.
 
-    Raises ``ValueError`` if ``config.name`` names no implemented optimizer.
+    Raises ``ValueError`` if ``config.name`` names no implemented optimizer, or if
+    ``chunk_elements`` is not a positive multiple of 64.
     """
     try:
         rule = _RULES[config.name]
@@ -232,4 +258,4 @@ def create_update_rule(config: OptimizerConfig) -> UpdateRule:
         raise ValueError(
             f"no update rule for optimizer {config.name!r}; known: {', '.join(sorted(_RULES))}"
         ) from None
-    return rule(config)
+    return rule(config, chunk_elements=chunk_elements)

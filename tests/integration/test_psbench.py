@@ -58,6 +58,9 @@ def test_quick_run_reports_every_section(tmp_path):
     assert doc["training"][0]["cluster_samples_per_second"] > 0
     # Held: the variables, plus SGD's few bytes of step counters.
     assert 0 <= doc["memory"]["held_bytes"] - (doc["memory"]["size_mib"] << 20) < 4096
+    # With Adam: the variables and their two moments (and step counters), on a shard of its own.
+    assert 0 <= doc["memory"]["adam"]["held_bytes"] - 3 * (doc["memory"]["size_mib"] << 20) < 4096
+    assert doc["memory"]["adam"]["peak_rss_bytes"] > doc["memory"]["adam"]["held_bytes"]
 
     checks = {c["id"]: c for c in doc["checks"]}
     assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5"}

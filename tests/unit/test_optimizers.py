@@ -152,6 +152,32 @@ def test_row_split_equals_whole(case):
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliced_update_equals_whole_bit_for_bit(case, dtype):
+    # 37 x 29 = 1073 elements: 16 slices of 64 and a ragged last one.
+    param0, grads = _data((37, 29), dtype, 6, seed=2)
+    results = []
+    for chunk in (64, 1 << 30):
+        rule = create_update_rule(CASES[case], chunk_elements=chunk)
+        param = param0.clone()
+        state = rule.init_state(param)
+        for grad in grads:
+            rule.apply(param, grad, state)
+        results.append((param, state))
+    (sliced, sliced_state), (whole, whole_state) = results
+    assert torch.equal(sliced, whole)
+    assert sliced_state.keys() == whole_state.keys()
+    for key in whole_state:
+        assert torch.equal(sliced_state[key], whole_state[key]), key
+
+
+@pytest.mark.parametrize("chunk", [0, -64, 100])
+def test_chunk_elements_must_be_a_positive_multiple_of_64(chunk):
+    with pytest.raises(ValueError, match="multiple of 64"):
+        create_update_rule(CASES["adam-default"], chunk_elements=chunk)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_state_is_named_contiguous_tensors_and_round_trips(case):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     config = CASES[case]

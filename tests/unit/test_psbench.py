@@ -97,7 +97,9 @@ def test_checks_pass_fail_and_not_measured():
                                  "client_cpu_seconds_per_call": 3e-4, "server_cpu_seconds_per_call": 4e-4}},
         goodput=[_goodput(4, 1, 600.0), _goodput(64, 1, 550.0), _goodput(256, 1, 500.0), _goodput(4, 2, 100.0)],
         memory={"size_mib": 256, "peak_rss_bytes": 700 * MIB, "idle_rss_bytes": 200 * MIB,
-                "held_bytes": 256 * MIB, "ratio_to_held": 700 / 256, "target_bytes": 584 * MIB},
+                "held_bytes": 256 * MIB, "ratio_to_held": 700 / 256, "target_bytes": 584 * MIB,
+                "adam": {"peak_rss_bytes": 1200 * MIB, "idle_rss_bytes": 200 * MIB, "held_bytes": 768 * MIB,
+                         "ratio_to_held": 1200 / 768, "target_bytes": 1352 * MIB}},
     )
     checks = {c["id"]: c for c in doc["checks"]}
     assert checks["1"]["passed"] is True and checks["1"]["value"] == pytest.approx(0.55)
@@ -108,6 +110,7 @@ def test_checks_pass_fail_and_not_measured():
     text = render(doc)
     for heading in ("Baselines", "PS goodput", "Shard memory", "Checks", "FAIL", "n/a"):
         assert heading in text
+    assert "Adam" in text and "1,352 MiB" in text  # beside the check, which stays on SGD
 
 
 def test_latency_check_uses_the_paired_echo():
