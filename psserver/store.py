@@ -449,7 +449,7 @@ class ShardStore:
             slot.version = self._version
         self._counters.pushes_applied += 1
         self._counters.record_staleness(0)
-        self._sync = SyncClock()
+        self._sync = SyncClock(spares=self._sync.sums)
         self._open_clock += 1
 
     def note_rejected(self) -> None:
