@@ -21,6 +21,7 @@ import torch
 
 from pswire import lanes as wire
 from pswire.errors import DeadlineError, InvalidArgumentError, PSError, TooLargeError, UnavailableError
+from psserver.buffers import BufferPool
 from psserver.inflight import InflightBudget
 
 __all__ = ["LaneServer"]
@@ -32,7 +33,7 @@ IDLE_SECONDS = 60.0
 _REFUSALS_KEPT = 64
 """Refused pushes of closed lanes remembered for the calls that name them."""
 _FREE_PER_SIZE = 2
-"""Receive buffers kept for reuse per byte count: a fresh one costs a page fault per 4 KiB."""
+"""Receive buffers kept for reuse per byte count (see ``psserver.buffers``)."""
 
 
 @dataclass
@@ -68,7 +69,7 @@ class LaneServer:
         self._arrived = threading.Condition(self._lock)
         self._lanes: dict[int, _Lane] = {}
         self._staged: dict[tuple[int, int], _Staged] = {}
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._buffers = BufferPool(keep=_FREE_PER_SIZE)
         self._stopped = False
         self._thread = threading.Thread(target=self._accept, name="psserver-lanes", daemon=True)
 
@@ -88,22 +89,10 @@ class LaneServer:
         with self._lock:
             return len(self._lanes)
 
-    # -- buffers -----------------------------------------------------------------------------
-
-    def _take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
-
     def give_back(self, buffer: torch.Tensor) -> None:
         """Return a staged push's buffer for reuse (its bytes leave the in-flight budget)."""
         self._budget.release(buffer.numel())
-        with self._lock:
-            free = self._free.setdefault(buffer.numel(), [])
-            if len(free) < _FREE_PER_SIZE:
-                free.append(buffer)
+        self._buffers.give(buffer)
 
     # -- lanes -------------------------------------------------------------------------------
 
@@ -146,7 +135,7 @@ class LaneServer:
                         f"no room for a push of {nbytes} bytes in {IDLE_SECONDS:.0f}s: "
                         f"{self._budget.held} bytes of pushes in flight (limit {self._budget.limit})"
                     )
-                buffer = self._take(nbytes)
+                buffer = self._buffers.take((nbytes,), torch.uint8)
                 try:
                     wire.recv_into(sock, memoryview(buffer.numpy()))
                 except BaseException:

@@ -4,7 +4,6 @@ status codes (one table), and nothing else."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
@@ -13,6 +12,7 @@ import torch
 from pswire import errors, frames
 from pswire.codec import ChunkAssembler, Part, on_wire, tensor_bytes, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
+from psserver.buffers import BufferPool
 from psserver.inflight import InflightBudget
 from psserver.lanes import LaneServer
 from psserver.store import PullSnapshot, Registration, ShardStore
@@ -67,28 +67,16 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
     server.add_registered_method_handlers(SERVICE, handlers)
 
 
-class _Buffers:
-    """Reusable receive buffers, one free list per part. A fresh buffer costs a page fault per
-    4 KiB on first touch, which on a loaded machine made assembling a 64 MiB push slower than
-    the network; a reused one is already mapped. Holds at most one free buffer per concurrent
-    push of each part, so memory stays bounded by the pushes in flight."""
+def _time_left(context: grpc.ServicerContext | None, margin: float = 0.0) -> float:
+    """Seconds a handler may wait: the call's remaining deadline less ``margin`` (kept to answer
+    in time), or 30 s for a call without a deadline."""
+    remaining = context.time_remaining() if context is not None else None
+    return 30.0 if remaining is None else max(0.0, remaining - margin)
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[Part, list[torch.Tensor]] = {}
 
-    def take(self, parts: Sequence[Part]) -> list[torch.Tensor]:
-        out = []
-        with self._lock:
-            for part in parts:
-                free = self._free.get(part)
-                out.append(free.pop() if free else None)
-        return [t if t is not None else torch.empty(p.shape, dtype=p.dtype) for t, p in zip(out, parts)]
-
-    def give(self, parts: Sequence[Part], tensors: Sequence[torch.Tensor]) -> None:
-        with self._lock:
-            for part, tensor in zip(parts, tensors):
-                self._free.setdefault(part, []).append(tensor)
+def _views(snapshot: PullSnapshot) -> list[memoryview]:
+    """The bytes of every part a pull sends, in order."""
+    return [tensor_bytes(p.value) for p in snapshot.parts if p.value is not None]
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
@@ -113,7 +101,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._address = address
         self._chunk_bytes = chunk_bytes
         self._max_request_bytes = max_request_bytes
-        self._buffers = _Buffers()
+        self._buffers = BufferPool()  # one free buffer per part and push once in flight at once
 
     def Register(self, request: ps_pb2.RegisterRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
         try:
@@ -166,6 +154,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
         return (header, *self._assemble(header, chunks(), initialize=initialize, context=context))
 
+    def _take(self, parts: Sequence[Part]) -> list[torch.Tensor]:
+        return [self._buffers.take(p.shape, p.dtype) for p in parts]
+
     def _expect(self, header: ps_pb2.TensorHeader, *, initialize: bool) -> tuple[list[Part], list[Part]]:
         """The parts a push or initialisation announces, validated, and the same parts as they
         travel (narrower when the worker compresses them)."""
@@ -195,14 +186,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             buffers = None
         else:
             total = sum(p.nbytes for p in sent)
-            remaining = context.time_remaining() if context is not None else None
-            if not self._budget.acquire(total, 30.0 if remaining is None else max(0.0, remaining - 0.05)):
+            if not self._budget.acquire(total, _time_left(context, margin=0.05)):
                 raise errors.NotReadyError(
                     f"no room for a push of {total} bytes: {self._budget.held} bytes of pushes in flight "
                     f"on this shard (--max-inflight-bytes {self._budget.limit}); retry"
                 )
             try:
-                buffers = self._buffers.take(sent)
+                buffers = self._take(sent)
             except BaseException:
                 self._budget.release(total)
                 raise
@@ -213,14 +203,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             received = assembler.finish()
         except BaseException:
             if buffers is not None:
-                self._buffers.give(sent, buffers)
+                self._buffers.give(*buffers)
                 self._budget.release(total)
             raise
         if initialize:
             return parts, received, lambda: None
 
         def release() -> None:
-            self._buffers.give(sent, received)
+            self._buffers.give(*received)
             self._budget.release(total)
 
         return (parts, *self._widen(parts, sent, received, release))
@@ -232,11 +222,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         pooled buffers (and ``received`` released at once)."""
         if all(s is p for s, p in zip(sent, parts)):  # nothing compressed: on_wire returned the parts
             return received, release
-        widened = self._buffers.take(parts)
+        widened = self._take(parts)
         for full, narrow in zip(widened, received):
             full.copy_(narrow)
         release()
-        return widened, lambda: self._buffers.give(parts, widened)
+        return widened, lambda: self._buffers.give(*widened)
 
     def _staged(
         self, header: ps_pb2.TensorHeader, bulk: ps_pb2.BulkRef, context: grpc.ServicerContext
@@ -249,24 +239,22 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         total = sum(p.nbytes for p in sent)
         if bulk.nbytes != total:
             raise errors.InvalidArgumentError(f"bulk push names {bulk.nbytes} bytes, but its parts hold {total}")
-        remaining = context.time_remaining()
-        buffer = self._lanes.claim(bulk.lane, bulk.token, total, 30.0 if remaining is None else max(0.0, remaining))
+        buffer = self._lanes.claim(bulk.lane, bulk.token, total, _time_left(context))
         views, copies, offset = [], [], 0
         for part in sent:
             piece = buffer[offset : offset + part.nbytes]
             offset += part.nbytes
             if piece.numel() and piece.data_ptr() % part.dtype.itemsize:  # misaligned for a view
-                own = self._buffers.take([part])[0]
+                own = self._buffers.take(part.shape, part.dtype)
                 tensor_bytes(own)[:] = piece.numpy()
-                copies.append((part, own))
+                copies.append(own)
                 views.append(own)
             else:
                 views.append(piece.view(part.dtype).view(part.shape))
 
         def release() -> None:
             self._lanes.give_back(buffer)
-            for part, own in copies:
-                self._buffers.give([part], [own])
+            self._buffers.give(*copies)
 
         return (parts, *self._widen(parts, sent, views, release))
 
@@ -359,13 +347,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, request: ps_pb2.PullRequest, context: grpc.ServicerContext
     ) -> tuple[ps_pb2.PullHeader, PullSnapshot]:
         """The pull's header and snapshot; the caller releases the snapshot once it is sent."""
-        remaining = context.time_remaining()
-        wait = 30.0 if remaining is None else max(0.0, remaining - 0.05)
         try:
             snapshot = self._store.pull(
-                dict(request.known_versions), timeout=wait, worker_id=request.worker_id,
-                generation=request.generation, clock=request.clock if request.worker_id else -1,
-                wire_dtype=wire_dtype_from_proto(request.wire_dtype),
+                dict(request.known_versions), timeout=_time_left(context, margin=0.05),
+                worker_id=request.worker_id, generation=request.generation,
+                clock=request.clock if request.worker_id else -1, wire_dtype=wire_dtype_from_proto(request.wire_dtype),
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
@@ -396,7 +382,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return self._pull_on_lane(request, context)
         header, snapshot = self._snapshot(request, context)
         with snapshot:
-            views = [tensor_bytes(p.value) for p in snapshot.parts if p.value is not None]
+            views = _views(snapshot)
             if sum(map(len, views)) > INLINE_LIMIT:
                 _abort(context, errors.TooLargeError(f"this shard holds over {INLINE_LIMIT} bytes: use Pull"))
             return ps_pb2.InlinePull(header=header, data=[bytes(v) for v in views])
@@ -408,12 +394,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, errors.PreconditionError("this shard has no bulk lanes (--bulk-port off): pull inline"))
         header, snapshot = self._snapshot(request, context)
         with snapshot:
-            views = [tensor_bytes(p.value) for p in snapshot.parts if p.value is not None]
-            remaining = context.time_remaining()
+            views = _views(snapshot)
             try:
                 self._lanes.deliver(
                     request.bulk.lane, request.bulk.token, header.SerializeToString(), views,
-                    timeout=30.0 if remaining is None else remaining,
+                    timeout=_time_left(context),
                 )
             except errors.PSError as exc:
                 _abort(context, exc)

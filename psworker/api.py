@@ -74,7 +74,8 @@ class Session:
         self.overlap = overlap
         self._pending: futures.Future | None = None
         self._loaded_versions: list[int] | None = None
-        """Each shard's version of the weights now in the model (what a step computes on)."""
+        """Each shard's version of the weights now in the model (what a step computes on; kept
+        with overlap only, where a push names it)."""
         self._exchanger = (
             futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="psworker-exchange") if overlap else None
         )
@@ -169,7 +170,8 @@ class Session:
                     param.data.copy_(staged, non_blocking=True)
             if any(p.device.type == "cuda" for p in self._params.values()):
                 torch.cuda.synchronize()
-        self._loaded_versions = self.client.versions()
+        if self.overlap:
+            self._loaded_versions = self.client.versions()
 
     def push(self) -> None:
         """Push the parameters' gradients; parameters without a gradient are left out, as

@@ -341,8 +341,9 @@ class ShardClient:
         pull (a retry repeats the push's sequence number either way, so it applies once)."""
         pushed = sum(len(b) for b in buffers)
         limit = self.options.inline_bytes
-        lane = self.lanes.take() if pushed > limit or nbytes > limit else None
-        if lane is None and (pushed > limit or nbytes > limit):
+        large = pushed > limit or nbytes > limit
+        lane = self.lanes.take() if large else None
+        if lane is None and large:
             return (self.push(header, buffers), *self.pull(request, destinations, nbytes, may_wait=may_wait))
         timeout = self._pull_deadline(nbytes + pushed, may_wait)
         call = ps_pb2.PushPullRequest(pull=request)
