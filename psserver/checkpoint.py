@@ -26,12 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+import numpy as np
+from safetensors import SafetensorError, TensorSpec, deserialize, serialize
 
-from pswire.errors import PSError
+from pswire.dtypes import dtype_from_safetensors, dtype_of
+from pswire.errors import InvalidArgumentError, PSError
 
 __all__ = ["CheckpointError", "CheckpointStore", "ShardPart"]
 
@@ -53,8 +52,8 @@ class _Unfinished(CheckpointError):
 
 @dataclass(frozen=True)
 class ShardPart:
-    tensors: dict[str, torch.Tensor]
-    """Contiguous CPU tensors by name, e.g. ``var/fc.weight``, ``opt/fc.weight/exp_avg``."""
+    tensors: dict[str, np.ndarray]
+    """Arrays by name, e.g. ``var/fc.weight``, ``opt/fc.weight/exp_avg``."""
     metadata: dict[str, Any]
     """JSON-serialisable; comes back as JSON gives it (tuples as lists, keys as strings)."""
 
@@ -86,21 +85,37 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _encode(part: ShardPart) -> tuple[bytes, bytes]:
-    tensors, storages = {}, set()
-    for name, t in part.tensors.items():
-        if not isinstance(name, str) or name == "__metadata__" or not isinstance(t, torch.Tensor):
-            raise ValueError(f"tensor names must be strings (not __metadata__) and values tensors: {name!r}")
-        t = t.detach().to("cpu").contiguous()
-        # safetensors refuses tensors that share storage (views, tied weights): copy all but the first.
-        if t.numel() and t.untyped_storage().data_ptr() in storages:
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        tensors[name] = t
+    specs, keep = {}, []
+    for name, array in part.tensors.items():
+        if not isinstance(name, str) or name == "__metadata__" or not isinstance(array, np.ndarray):
+            raise ValueError(f"tensor names must be strings (not __metadata__) and values arrays: {name!r}")
+        try:
+            dtype = dtype_of(array.dtype)
+        except InvalidArgumentError as exc:
+            raise ValueError(f"cannot encode checkpoint part: {name!r}: {exc}") from None
+        if not array.flags.c_contiguous:  # (not ascontiguousarray: it makes a 0-d array 1-d)
+            array = array.copy(order="C")
+        keep.append(array)  # serialize reads the memory by address: keep it alive until then
+        specs[name] = TensorSpec(dtype=dtype.name, shape=list(array.shape), data_ptr=array.ctypes.data,
+                                 data_len=array.nbytes)
     try:
         meta = json.dumps(part.metadata, sort_keys=True, allow_nan=False).encode()
-        return st_save(tensors), meta
+        return bytes(serialize(specs)), meta
     except (TypeError, ValueError, RuntimeError, SafetensorError) as exc:
         raise ValueError(f"cannot encode checkpoint part: {exc}") from exc
+
+
+def _decode(data: bytes) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file (writable, each in its own memory); raises
+    ``SafetensorError`` or ``ValueError`` for content that does not parse."""
+    arrays = {}
+    for name, view in deserialize(data):
+        try:
+            dtype = dtype_from_safetensors(view["dtype"])
+        except InvalidArgumentError as exc:
+            raise ValueError(f"{name!r}: {exc}") from None
+        arrays[name] = np.frombuffer(view["data"], dtype=dtype.numpy).reshape(view["shape"])
+    return arrays
 
 
 def _manifest(cid: int, index: int, n: int, files: dict[str, bytes]) -> dict[str, Any]:
@@ -271,7 +286,7 @@ class CheckpointStore:
             if hashlib.sha256(blob).hexdigest() != files[name]["sha256"]:
                 raise CheckpointError(f"{where}: {name} does not match its sha256")
         try:
-            tensors, metadata = st_load(data[TENSORS]), json.loads(data[METADATA])
+            tensors, metadata = _decode(data[TENSORS]), json.loads(data[METADATA])
         except (SafetensorError, ValueError) as exc:
             raise CheckpointError(f"{where}: does not parse: {exc}") from exc
         if not isinstance(metadata, dict):

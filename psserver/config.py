@@ -35,7 +35,6 @@ class ServerConfig:
     shard_index: int = field(default=-1, metadata={"help": "This shard's index in the job (needed by --restore)."})
     num_shards: int = field(default=0, metadata={"help": "Shards in the job (needed by --restore)."})
     grace: float = field(default=5.0, metadata={"help": 'Seconds in-flight RPCs get to finish on shutdown.'})
-    torch_threads: int = field(default=1, metadata={"help": "Threads torch may use for updates; one process per shard, so 1 avoids oversubscribing cores."})
     log_level: str = field(default="INFO", metadata={"help": "Logging level: DEBUG, INFO, WARNING, ERROR."})
 
     def __post_init__(self) -> None:
@@ -58,8 +57,6 @@ class ServerConfig:
         parse_schedule(self.checkpoint_every)
         if self.lease_timeout < 0:
             raise ValueError(f"lease_timeout must be >= 0, got {self.lease_timeout}")
-        if self.torch_threads < 1:
-            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.max_inflight_bytes < 0:
             raise ValueError(f"max_inflight_bytes must be >= 0, got {self.max_inflight_bytes}")
         if self.max_request_bytes < 1 or self.init_timeout <= 0 or self.grace < 0:

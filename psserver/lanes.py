@@ -17,11 +17,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from pswire import lanes as wire
 from pswire.errors import DeadlineError, InvalidArgumentError, PSError, TooLargeError, UnavailableError
 from psserver.buffers import BufferPool
+from pswire.dtypes import UINT8
 from psserver.inflight import InflightBudget
 
 __all__ = ["LaneServer"]
@@ -47,7 +48,7 @@ class _Lane:
 
 @dataclass
 class _Staged:
-    buffer: torch.Tensor | None
+    buffer: np.ndarray | None
     error: PSError | None = None
 
 
@@ -89,9 +90,9 @@ class LaneServer:
         with self._lock:
             return len(self._lanes)
 
-    def give_back(self, buffer: torch.Tensor) -> None:
+    def give_back(self, buffer: np.ndarray) -> None:
         """Return a staged push's buffer for reuse (its bytes leave the in-flight budget)."""
-        self._budget.release(buffer.numel())
+        self._budget.release(buffer.size)
         self._buffers.give(buffer)
 
     # -- lanes -------------------------------------------------------------------------------
@@ -135,9 +136,9 @@ class LaneServer:
                         f"no room for a push of {nbytes} bytes in {IDLE_SECONDS:.0f}s: "
                         f"{self._budget.held} bytes of pushes in flight (limit {self._budget.limit})"
                     )
-                buffer = self._buffers.take((nbytes,), torch.uint8)
+                buffer = self._buffers.take((nbytes,), UINT8)
                 try:
-                    wire.recv_into(sock, memoryview(buffer.numpy()))
+                    wire.recv_into(sock, memoryview(buffer))
                 except BaseException:
                     self.give_back(buffer)
                     raise
@@ -203,8 +204,8 @@ class LaneServer:
 
     # -- calls -------------------------------------------------------------------------------
 
-    def claim(self, lane_id: int, token: int, nbytes: int, timeout: float) -> torch.Tensor:
-        """The bytes staged as ``token`` on lane ``lane_id``, as a flat uint8 tensor of
+    def claim(self, lane_id: int, token: int, nbytes: int, timeout: float) -> np.ndarray:
+        """The bytes staged as ``token`` on lane ``lane_id``, as a flat uint8 array of
         ``nbytes`` (``give_back`` it once applied), waiting up to ``timeout`` for them to arrive.
         Raises ``UnavailableError`` (the lane closed: retry on a new one), ``DeadlineError``,
         ``TooLargeError`` or ``InvalidArgumentError`` (the call names another byte count)."""
@@ -221,9 +222,9 @@ class LaneServer:
         if staged.error is not None:
             raise staged.error
         assert staged.buffer is not None
-        if staged.buffer.numel() != nbytes:
+        if staged.buffer.size != nbytes:
             self.give_back(staged.buffer)
-            raise InvalidArgumentError(f"bulk push staged {staged.buffer.numel()} bytes, but its call names {nbytes}")
+            raise InvalidArgumentError(f"bulk push staged {staged.buffer.size} bytes, but its call names {nbytes}")
         return staged.buffer
 
     def deliver(self, lane_id: int, token: int, header: bytes, views: Sequence[memoryview], timeout: float) -> None:

@@ -8,8 +8,6 @@ import sys
 import threading
 from collections.abc import Sequence
 
-import torch
-
 from psserver.config import parse_args
 from psserver.server import create_server
 
@@ -20,7 +18,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s psserver[%(process)d] %(name)s: %(message)s",
     )
-    torch.set_num_threads(config.torch_threads)
     try:
         shard = create_server(config)
     except RuntimeError as exc:

@@ -1,21 +1,25 @@
-"""Shard-side update rules: SGD, Adam and Adagrad, applied in place to one tensor at a time.
+"""Shard-side update rules: SGD, Adam and Adagrad, applied in place to one array at a time.
 
-Each rule reproduces the single-tensor (``foreach=False``) algorithm of ``torch.optim`` in
-torch 2.13, operation for operation, so that a parameter updated on a shard agrees with one
-updated locally up to the rounding of its dtype (bit for bit on CPU in practice). Every rule is
-elementwise, so a tensor split into row slices, each with its own state, is updated exactly as
-the whole tensor would be.
+Each rule follows the single-tensor (``foreach=False``) algorithm of ``torch.optim`` in torch
+2.13 operation for operation, in numpy, so that a parameter updated on a shard agrees with one
+updated locally up to the rounding of its dtype: torch's CPU kernels fuse ``a + alpha * b`` into
+one rounding (a fused multiply-add) where numpy rounds twice, so float32 results may differ in
+the last bit. A shard imports no torch, which keeps its resident size to its variables (torch
+alone makes a process about 200 MiB resident).
 
-A large tensor is updated in slices of ``CHUNK_ELEMENTS`` (a multiple of every SIMD width, so
-each element still takes the same path through torch's kernels): the temporaries a rule needs
-(Adam's denominator, a weight-decayed gradient) then cost one slice, not a second copy of the
+16-bit parameters are computed in float32 and rounded to their own dtype after every operation,
+as torch's kernels do. Every rule is elementwise, so a tensor split into row slices, each with
+its own state, is updated exactly as the whole tensor would be.
+
+Arrays are updated in slices of ``CHUNK_ELEMENTS``: the temporaries a rule needs (``lr * grad``,
+Adam's denominator, a weight-decayed gradient) then cost one slice, not a second copy of the
 variable, and each slice stays in cache across the rule's several passes.
 
-Optimizer state is a flat ``dict[str, torch.Tensor]`` with stable names (``step``,
+Optimizer state is a flat ``dict[str, numpy.ndarray]`` with stable names (``step``,
 ``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``sum``) and contiguous
-tensors only, so a shard can checkpoint it as safetensors without conversion.
+arrays only, so a shard can checkpoint it as safetensors without conversion.
 
-This module imports no gRPC: the transport hands it tensors and takes its errors.
+This module imports no gRPC: the transport hands it arrays and takes its errors.
 """
 
 from __future__ import annotations
@@ -24,14 +28,49 @@ import abc
 import math
 from typing import ClassVar
 
-import torch
+import numpy as np
 
+from pswire.dtypes import dtype_of
+from pswire.errors import InvalidArgumentError
 from pswire.optim import OptimizerConfig
 
 __all__ = ["CHUNK_ELEMENTS", "Adagrad", "Adam", "Sgd", "UpdateRule", "create_update_rule"]
 
-CHUNK_ELEMENTS = 1 << 18
-"""Elements per slice of an update (1 MiB of float32)."""
+CHUNK_ELEMENTS = 1 << 16
+"""Elements per slice of an update (256 KiB of float32): its temporaries stay below glibc's
+mmap threshold, so they are reused heap memory rather than fresh pages faulted in per slice."""
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    try:
+        return dtype_of(dtype).is_floating_point
+    except InvalidArgumentError:
+        return False
+
+
+class _Rounding:
+    """Rounds results computed in a wider dtype to the storage dtype after each operation."""
+
+    def __init__(self, storage: np.dtype) -> None:
+        self.storage = storage
+        self.needed = storage.itemsize < 4
+        self._scalar = np.float64 if storage.itemsize == 8 else np.float32
+        self._alpha = np.float32 if storage.itemsize == 4 else storage.type
+
+    def s(self, value: float) -> float:
+        """A scalar operand as torch hands it to a kernel: in float32 unless the storage is float64."""
+        return float(self._scalar(value))
+
+    def alpha(self, value: float) -> float:
+        """The ``alpha`` of torch's ``add_``: rounded to the storage dtype (float64 stays)."""
+        return float(self._alpha(value))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.needed:
+            x[...] = x.astype(self.storage)
+        return x
 
 
 class UpdateRule(abc.ABC):
@@ -54,97 +93,106 @@ class UpdateRule(abc.ABC):
             raise ValueError(f"chunk_elements must be a positive multiple of 64, got {chunk_elements}")
         self.config = config
         self.chunk_elements = chunk_elements
-        self.single_pass = False
-        """True when the update is one in-place op with no temporary: slicing would only add calls."""
 
-    def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Fresh state for ``param``: contiguous tensors on its device, plus an int64 ``step``.
+    def init_state(self, param: np.ndarray) -> dict[str, np.ndarray]:
+        """Fresh state for ``param``: contiguous arrays of its shape and dtype, plus an int64 ``step``.
 
-        Raises ``ValueError`` if ``param`` is not a floating-point tensor.
+        Raises ``ValueError`` if ``param`` is not a floating-point array.
         """
-        if not param.is_floating_point():
+        if not _is_float(param.dtype):
             raise ValueError(f"parameters must be floating point, got {param.dtype}")
-        # int64 rather than torch's float32: exact past 2**24 steps, and still a plain tensor.
-        state = {"step": torch.zeros((), dtype=torch.int64)}
+        # int64 rather than torch's float32: exact past 2**24 steps.
+        state = {"step": np.zeros((), dtype=np.int64)}
         state.update(self._init_buffers(param))
         return state
 
     def apply(
         self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, torch.Tensor],
+        param: np.ndarray,
+        grad: np.ndarray,
+        state: dict[str, np.ndarray],
         *,
         lr_scale: float = 1.0,
     ) -> None:
         """Apply one step to ``param`` and ``state`` in place, with learning rate ``lr * lr_scale``.
 
         ``grad`` is only read, never written, so it may be a view of a reused receive buffer.
-        ``lr_scale=1.0`` reproduces ``torch.optim`` exactly.
+        ``lr_scale=1.0`` is ``torch.optim``'s step.
 
-        Raises ``ValueError`` if ``grad`` does not match ``param`` in shape, dtype or device,
-        if ``state`` lacks a buffer this rule needs or holds one of another shape, or if
-        ``lr_scale`` is not finite and > 0.
+        Raises ``ValueError`` if ``grad`` does not match ``param`` in shape or dtype, if
+        ``param`` is not C-contiguous, if ``state`` lacks a buffer this rule needs or holds one
+        of another shape or dtype, or if ``lr_scale`` is not finite and > 0; nothing has
+        changed then.
         """
-        if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+        if grad.shape != param.shape or grad.dtype != param.dtype:
             # Without this check a (1, n) gradient would silently broadcast over an (m, n) param.
             raise ValueError(
-                f"gradient {grad.dtype}{list(grad.shape)} on {grad.device} does not match "
-                f"parameter {param.dtype}{list(param.shape)} on {param.device}"
+                f"gradient {grad.dtype}{list(grad.shape)} does not match parameter {param.dtype}{list(param.shape)}"
             )
+        if not (param.flags.c_contiguous and param.flags.writeable):
+            raise ValueError("parameter must be a writable C-contiguous array")
         missing = [key for key in self.state_names if key not in state]
         if missing:
             raise ValueError(f"{self.name} state lacks {', '.join(missing)}")
-        for key in self.state_names:
-            # In-place ops broadcast their other operand, so a larger buffer would absorb the
-            # step before param.add_ failed, leaving state and param out of step.
-            if key != "step" and state[key].shape != param.shape:
-                raise ValueError(f"{self.name} state {key!r} has shape {list(state[key].shape)}")
+        names = [key for key in self.state_names if key != "step"]
+        for key in names:
+            # Broadcasting would let a larger or smaller buffer absorb the step.
+            buf = state[key]
+            if (buf.shape != param.shape or buf.dtype != param.dtype or not buf.flags.c_contiguous
+                    or not buf.flags.writeable):
+                raise ValueError(f"{self.name} state {key!r} is {buf.dtype}{list(buf.shape)}")
         if not (math.isfinite(lr_scale) and lr_scale > 0):
             raise ValueError(f"lr_scale must be finite and > 0, got {lr_scale}")
-        # Multiplying by exactly 1.0 leaves lr unchanged, keeping parity with torch.optim.
+        # Multiplying by exactly 1.0 leaves lr unchanged.
         lr = self.config.lr * lr_scale
-        with torch.no_grad():
-            state["step"] += 1
-            step = int(state["step"].item())
-            names = [key for key in self.state_names if key != "step"]
-            tensors = [param, grad, *(state[key] for key in names)]
-            n, chunk = param.numel(), self.chunk_elements
-            if self.single_pass or n <= chunk or not all(t.is_contiguous() for t in tensors):
-                self._update(param, grad, state, lr, step)
-                return
-            flat = [t.view(-1) for t in tensors]
-            for start in range(0, n, chunk):
-                p, g, *rest = (t[start:start + chunk] for t in flat)
-                self._update(p, g, dict(zip(names, rest)), lr, step)
+        state["step"][...] += 1
+        step = int(state["step"])
+        rounding = _Rounding(param.dtype)
+        with np.errstate(all="ignore"):  # as in torch, an overflow gives Inf without a warning
+            self._slices(param, grad, state, names, lr, step, rounding)
+
+    def _slices(self, param, grad, state, names, lr, step, rounding) -> None:
+        flat = [a.reshape(-1) for a in (param, grad, *(state[key] for key in names))]
+        chunk = self.chunk_elements
+        for start in range(0, param.size, chunk):
+            p, g, *rest = (a[start:start + chunk] for a in flat)
+            if rounding.needed:
+                # Work on float32 copies of the slice; each result is rounded as it is made, so
+                # writing them back is exact.
+                work = [x.astype(_FLOAT32) for x in (p, *rest)]
+                self._update(work[0], g.astype(_FLOAT32), dict(zip(names, work[1:])), lr, step, rounding)
+                for dst, src in zip((p, *rest), work):
+                    dst[...] = src
+            else:
+                self._update(p, g, dict(zip(names, rest)), lr, step, rounding)
 
     @abc.abstractmethod
-    def _init_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _init_buffers(self, param: np.ndarray) -> dict[str, np.ndarray]:
         """The per-element buffers of a fresh state (everything but ``step``)."""
 
     @abc.abstractmethod
     def _update(
         self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        state: dict[str, torch.Tensor],
+        param: np.ndarray,
+        grad: np.ndarray,
+        state: dict[str, np.ndarray],
         lr: float,
         step: int,
+        r: _Rounding,
     ) -> None:
-        """The step proper, on the whole tensor or one slice of it (``state`` then holds the same
-        slice of each buffer, and no ``step``); ``step`` counts from 1."""
+        """The step proper on one flat slice (``state`` holds the same slice of each buffer, and
+        no ``step``); ``step`` counts from 1. ``r(x)`` rounds ``x`` in place to the parameter's
+        dtype; the arrays are float32 or float64 and must not be replaced, only written."""
 
-    def _with_weight_decay(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        # A fresh tensor rather than grad.add_: the caller's gradient buffer stays untouched,
-        # and this is the one temporary torch allocates for L2 decay as well.
+    def _with_weight_decay(self, param: np.ndarray, grad: np.ndarray, r: _Rounding) -> np.ndarray:
+        # A fresh array rather than grad +=: the caller's gradient buffer stays untouched.
         if self.config.weight_decay != 0:
-            return grad.add(param, alpha=self.config.weight_decay)
+            return r(grad + r.alpha(self.config.weight_decay) * param)
         return grad
 
 
-def _zeros(param: torch.Tensor) -> torch.Tensor:
-    # Not zeros_like: that keeps a transposed view's strides, and safetensors wants contiguous.
-    return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+def _zeros(param: np.ndarray) -> np.ndarray:
+    return np.zeros(param.shape, dtype=param.dtype)
 
 
 class Sgd(UpdateRule):
@@ -155,30 +203,26 @@ class Sgd(UpdateRule):
     def __init__(self, config: OptimizerConfig, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         super().__init__(config, chunk_elements=chunk_elements)
         self.state_names = ("step", "momentum_buffer") if config.momentum != 0 else ("step",)
-        self.single_pass = config.momentum == 0 and config.weight_decay == 0
 
-    def _init_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _init_buffers(self, param):
         return {"momentum_buffer": _zeros(param)} if self.config.momentum != 0 else {}
 
-    def _update(self, param, grad, state, lr, step):
+    def _update(self, param, grad, state, lr, step, r):
         cfg = self.config
-        d_p = self._with_weight_decay(param, grad)
+        d_p = self._with_weight_decay(param, grad, r)
         if cfg.momentum != 0:
             buf = state["momentum_buffer"]
             if step == 1:
                 # torch starts the buffer as a copy of the first gradient, without dampening.
-                buf.copy_(d_p)
+                buf[...] = d_p
             else:
-                buf.mul_(cfg.momentum).add_(d_p, alpha=1 - cfg.dampening)
-            if cfg.nesterov:
-                # Reuse the weight-decay temporary when there is one; never write into grad.
-                if d_p is grad:
-                    d_p = d_p.add(buf, alpha=cfg.momentum)
-                else:
-                    d_p.add_(buf, alpha=cfg.momentum)
-            else:
-                d_p = buf
-        param.add_(d_p, alpha=-lr)
+                buf *= r.s(cfg.momentum)
+                r(buf)
+                buf += r.alpha(1 - cfg.dampening) * d_p
+                r(buf)
+            d_p = r(d_p + r.alpha(cfg.momentum) * buf) if cfg.nesterov else buf
+        param += r.alpha(-lr) * d_p
+        r(param)
 
 
 class Adam(UpdateRule):
@@ -192,16 +236,25 @@ class Adam(UpdateRule):
             ("max_exp_avg_sq",) if config.amsgrad else ()
         )
 
-    def _init_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _init_buffers(self, param):
         return {key: _zeros(param) for key in self.state_names if key != "step"}
 
-    def _update(self, param, grad, state, lr, step):
+    def _update(self, param, grad, state, lr, step, r):
         cfg = self.config
         beta1, beta2 = cfg.beta1, cfg.beta2
-        grad = self._with_weight_decay(param, grad)
+        grad = self._with_weight_decay(param, grad, r)
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        # exp_avg.lerp_(grad, 1 - beta1), with torch's two formulas for small and large weights.
+        weight = 1 - beta1
+        if abs(weight) < 0.5:
+            exp_avg += r.s(weight) * (grad - exp_avg)
+        else:
+            exp_avg[...] = grad - (grad - exp_avg) * r.s(1 - weight)
+        r(exp_avg)
+        exp_avg_sq *= r.s(beta2)
+        r(exp_avg_sq)
+        exp_avg_sq += r.s(1 - beta2) * grad * grad
+        r(exp_avg_sq)
 
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
@@ -210,13 +263,17 @@ class Adam(UpdateRule):
 
         if cfg.amsgrad:
             max_exp_avg_sq = state["max_exp_avg_sq"]
-            torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+            np.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
             second_moment = max_exp_avg_sq
         else:
             second_moment = exp_avg_sq
-        # torch computes sqrt() / c, allocating twice; dividing in place rounds identically.
-        denom = second_moment.sqrt().div_(bias_correction2_sqrt).add_(cfg.eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+        denom = r(np.sqrt(second_moment))
+        denom /= r.s(bias_correction2_sqrt)
+        r(denom)
+        denom += r.s(cfg.eps)
+        r(denom)
+        param += r.s(-step_size) * exp_avg / denom
+        r(param)
 
 
 class Adagrad(UpdateRule):
@@ -229,25 +286,28 @@ class Adagrad(UpdateRule):
     name = "adagrad"
     state_names = ("step", "sum")
 
-    def _init_buffers(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        value = self.config.initial_accumulator_value
-        return {"sum": torch.full(param.shape, value, dtype=param.dtype, device=param.device)}
+    def _init_buffers(self, param):
+        return {"sum": np.full(param.shape, self.config.initial_accumulator_value, dtype=param.dtype)}
 
-    def _update(self, param, grad, state, lr, step):
+    def _update(self, param, grad, state, lr, step, r):
         cfg = self.config
-        grad = self._with_weight_decay(param, grad)
+        grad = self._with_weight_decay(param, grad, r)
         clr = lr / (1 + (step - 1) * cfg.lr_decay)
         state_sum = state["sum"]
-        state_sum.addcmul_(grad, grad, value=1)
-        std = state_sum.sqrt().add_(cfg.eps)
-        param.addcdiv_(grad, std, value=-clr)
+        state_sum += grad * grad
+        r(state_sum)
+        std = r(np.sqrt(state_sum))
+        std += r.s(cfg.eps)
+        r(std)
+        param += r.s(-clr) * grad / std
+        r(param)
 
 
 _RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (Sgd, Adam, Adagrad)}
 
 
 def create_update_rule(config: OptimizerConfig, *, chunk_elements: int = CHUNK_ELEMENTS) -> UpdateRule:
-    """The update rule for ``config``, updating large tensors ``chunk_elements`` at a time.
+    """The update rule for ``config``, updating large arrays ``chunk_elements`` at a time.
 
     Raises ``ValueError`` if ``config.name`` names no implemented optimizer, or if
     ``chunk_elements`` is not a positive multiple of 64.

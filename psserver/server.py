@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import CheckpointError
+from psserver.buffers import trim_heap
 from psserver.checkpointer import Checkpointer, parse_schedule
 from psserver.config import ServerConfig
 from psserver.inflight import InflightBudget
@@ -113,6 +114,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
             except CheckpointError as exc:
                 raise RuntimeError(f"cannot restore: {exc}") from exc
             log.info("restored checkpoint %d from %s", restored, config.checkpoint_dir)
+            trim_heap()  # the checkpoint's file and decoded copies are gone; give their heap back
     target = f"{config.host}:{config.port}"
     try:
         port = server.add_insecure_port(target)

@@ -7,12 +7,12 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
-import torch
+import numpy as np
 
 from pswire import errors, frames
-from pswire.codec import ChunkAssembler, Part, on_wire, tensor_bytes, wire_dtype_from_proto
+from pswire.codec import ChunkAssembler, Part, array_bytes, on_wire, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
-from psserver.buffers import BufferPool
+from psserver.buffers import BufferPool, trim_heap
 from psserver.inflight import InflightBudget
 from psserver.lanes import LaneServer
 from psserver.store import PullSnapshot, Registration, ShardStore
@@ -76,7 +76,7 @@ def _time_left(context: grpc.ServicerContext | None, margin: float = 0.0) -> flo
 
 def _views(snapshot: PullSnapshot) -> list[memoryview]:
     """The bytes of every part a pull sends, in order."""
-    return [tensor_bytes(p.value) for p in snapshot.parts if p.value is not None]
+    return [array_bytes(p.value) for p in snapshot.parts if p.value is not None]
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
@@ -154,7 +154,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
         return (header, *self._assemble(header, chunks(), initialize=initialize, context=context))
 
-    def _take(self, parts: Sequence[Part]) -> list[torch.Tensor]:
+    def _take(self, parts: Sequence[Part]) -> list[np.ndarray]:
         return [self._buffers.take(p.shape, p.dtype) for p in parts]
 
     def _expect(self, header: ps_pb2.TensorHeader, *, initialize: bool) -> tuple[list[Part], list[Part]]:
@@ -175,7 +175,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def _assemble(
         self, header: ps_pb2.TensorHeader, chunks: Iterable[frames.Chunk], *, initialize: bool,
         context: grpc.ServicerContext | None = None,
-    ) -> tuple[list[Part], list[torch.Tensor], Callable[[], None]]:
+    ) -> tuple[list[Part], list[np.ndarray], Callable[[], None]]:
         """Validate the header's parts, then copy the chunks into place. A push's gradients land
         in pooled buffers (given back by the returned release, once applied) and, when compressed,
         are widened to the variables' dtypes; initial values become the variables, so they get
@@ -197,10 +197,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._budget.release(total)
                 raise
         try:
-            assembler = ChunkAssembler(sent, buffers)
+            assembler = ChunkAssembler(sent, None if buffers is None else [array_bytes(b) for b in buffers])
             for chunk in chunks:
                 assembler.add(chunk)
-            received = assembler.finish()
+            allocated = assembler.finish()
+            received = allocated if buffers is None else buffers
         except BaseException:
             if buffers is not None:
                 self._buffers.give(*buffers)
@@ -216,21 +217,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return (parts, *self._widen(parts, sent, received, release))
 
     def _widen(
-        self, parts: list[Part], sent: list[Part], received: list[torch.Tensor], release: Callable[[], None]
-    ) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        self, parts: list[Part], sent: list[Part], received: list[np.ndarray], release: Callable[[], None]
+    ) -> tuple[list[np.ndarray], Callable[[], None]]:
         """``received`` in the variables' dtypes: as is when nothing was compressed, else in
         pooled buffers (and ``received`` released at once)."""
         if all(s is p for s, p in zip(sent, parts)):  # nothing compressed: on_wire returned the parts
             return received, release
         widened = self._take(parts)
         for full, narrow in zip(widened, received):
-            full.copy_(narrow)
+            full[...] = narrow
         release()
         return widened, lambda: self._buffers.give(*widened)
 
     def _staged(
         self, header: ps_pb2.TensorHeader, bulk: ps_pb2.BulkRef, context: grpc.ServicerContext
-    ) -> tuple[list[Part], list[torch.Tensor], Callable[[], None]]:
+    ) -> tuple[list[Part], list[np.ndarray], Callable[[], None]]:
         """A push whose bytes were staged on a bulk lane: the gradients are views of the staged
         buffer (no copy), which goes back to the lanes' pool on release."""
         if self._lanes is None:
@@ -244,13 +245,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         for part in sent:
             piece = buffer[offset : offset + part.nbytes]
             offset += part.nbytes
-            if piece.numel() and piece.data_ptr() % part.dtype.itemsize:  # misaligned for a view
+            if piece.size and piece.ctypes.data % part.dtype.itemsize:  # misaligned for a view
                 own = self._buffers.take(part.shape, part.dtype)
-                tensor_bytes(own)[:] = piece.numpy()
+                array_bytes(own)[:] = piece
                 copies.append(own)
                 views.append(own)
             else:
-                views.append(piece.view(part.dtype).view(part.shape))
+                views.append(piece.view(part.dtype.numpy).reshape(part.shape))
 
         def release() -> None:
             self._lanes.give_back(buffer)
@@ -262,6 +263,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             header, _, values, _ = self._receive(request_iterator, initialize=True)
             applied, version = self._store.initialize(header.worker_id, header.generation, values)
+            del values
+            trim_heap()
         except (errors.PSError, ValueError) as exc:
             log.warning("initialise refused: %s", exc)
             _abort(context, exc)
@@ -373,7 +376,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             step = self._chunk_bytes
             for index, pulled in enumerate(snapshot.parts):  # chunks name the header's part index
                 if pulled.value is not None:
-                    view = tensor_bytes(pulled.value)
+                    view = array_bytes(pulled.value)
                     for offset in range(0, len(view), step):  # encoded as the stream asks for them
                         yield frames.encode_chunk(index, offset, view[offset : offset + step])
 

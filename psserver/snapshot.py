@@ -12,9 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from pswire.codec import Part, dtype_name
+from pswire.dtypes import dtype_of
+from pswire.errors import InvalidArgumentError
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
 from psserver.consistency import PushAction
@@ -25,8 +27,6 @@ from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
 __all__ = ["FORMAT", "Decoded", "Position", "decode", "encode", "encode_job"]
 
 FORMAT = 1
-_DTYPES = {dtype_name(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                                      torch.int64, torch.int32, torch.int8, torch.uint8)}
 
 
 def encode_job(job: Registration) -> dict[str, Any]:
@@ -48,9 +48,11 @@ def encode_job(job: Registration) -> dict[str, Any]:
 def _decode_job(doc: dict[str, Any]) -> Registration:
     parts = []
     for name, shape, dtype, start, end in doc["parts"]:
-        if dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r} for {name!r}")
-        parts.append(Part(name, tuple(int(d) for d in shape), _DTYPES[dtype], int(start), int(end)))
+        try:
+            dtype = dtype_of(str(dtype))
+        except InvalidArgumentError:
+            raise ValueError(f"unknown dtype {dtype!r} for {name!r}") from None
+        parts.append(Part(name, tuple(int(d) for d in shape), dtype, int(start), int(end)))
     return Registration(
         worker_name="(checkpoint)",
         shard_index=int(doc["shard_index"]),
@@ -77,16 +79,16 @@ class Position:
 def encode(
     job: Registration, slots: Mapping[str, Slot], sync: SyncClock, workers: Mapping[str, Worker],
     counters: Counters, position: Position,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Copies of every tensor of the state, by name, and the metadata beside them (caller
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Copies of every array of the state, by name, and the metadata beside them (caller
     holds the store's lock)."""
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, np.ndarray] = {}
     for key, slot in slots.items():
-        tensors[f"var/{key}"] = slot.value.clone()
+        tensors[f"var/{key}"] = slot.value.copy()
         for name, t in slot.state.items():
-            tensors[f"opt/{key}/{name}"] = t.clone()
+            tensors[f"opt/{key}/{name}"] = t.copy()
     for key, total in sync.sums.items():
-        tensors[f"sum/{key}"] = total.clone()
+        tensors[f"sum/{key}"] = total.copy()
     metadata = {
         "format": FORMAT,
         "job": encode_job(job),
@@ -124,7 +126,7 @@ class Decoded:
     """What :meth:`Counters.checkpointed` wrote, for :meth:`Counters.restore`."""
 
 
-def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *, now: float, source: str) -> Decoded:
+def decode(tensors: dict[str, np.ndarray], metadata: dict[str, Any], *, now: float, source: str) -> Decoded:
     """Check a checkpoint part for completeness and consistency, and rebuild the store's records
     from copies of its tensors; ``now`` (the store's clock) starts each worker's lease, and the
     workers are fenced as restored from ``source``. Raises ``ValueError`` naming the first
@@ -137,7 +139,7 @@ def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *, now: f
         value = tensors.get(f"var/{part.key}")
         if value is None:
             raise ValueError(f"variable {part.key!r} is missing")
-        if value.dtype != part.dtype or tuple(value.shape) != part.shape:
+        if value.dtype != part.dtype.numpy or tuple(value.shape) != part.shape:
             raise ValueError(
                 f"variable {part.key!r} is {value.dtype}{list(value.shape)}, expected {part.dtype}{list(part.shape)}"
             )
@@ -145,7 +147,7 @@ def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *, now: f
         prefix = f"opt/{part.key}/"
         states[part.key] = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
         if f"sum/{part.key}" in tensors:
-            sums[part.key] = tensors[f"sum/{part.key}"].clone()
+            sums[part.key] = tensors[f"sum/{part.key}"].copy()
     for key in ("version", "clock_floor", "open_clock", "received", "workers", "slot_versions", "next_worker_id"):
         if key not in metadata:
             raise ValueError(f"metadata lacks {key!r}")
@@ -160,7 +162,7 @@ def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *, now: f
             if t.dtype != fresh[name].dtype or t.shape != fresh[name].shape:
                 raise ValueError(f"optimizer state {name!r} of {key!r} has the wrong dtype or shape")
     slots = {
-        p.key: Slot(p, values[p.key].clone(), {n: t.clone() for n, t in states[p.key].items()},
+        p.key: Slot(p, values[p.key].copy(), {n: t.copy() for n, t in states[p.key].items()},
                     int(metadata["slot_versions"][p.key]))
         for p in job.parts
     }

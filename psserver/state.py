@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from pswire.codec import Part
 from psserver.consistency import PushAction
@@ -31,17 +31,17 @@ class PushResult:
 @dataclass
 class Slot:
     part: Part
-    value: torch.Tensor
-    state: dict[str, torch.Tensor]
+    value: np.ndarray
+    state: dict[str, np.ndarray]
     version: int = 0
     readers: int = 0
     """Unreleased pull snapshots holding ``value`` itself: an update first replaces it with a
     copy (copy on write), so a pull never copies the variables and never sees half a push."""
 
-    def writable(self) -> torch.Tensor:
+    def writable(self) -> np.ndarray:
         """``value``, once no snapshot holds it (caller holds the store's lock)."""
         if self.readers:
-            self.value, self.readers = self.value.clone(), 0
+            self.value, self.readers = self.value.copy(), 0
         return self.value
 
 
@@ -70,34 +70,38 @@ class SyncClock:
     """The gradients received for the clock a sync shard is collecting. Sums are kept per part,
     and each mean divides by its own part's count: a push may name a subset of the parts."""
 
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     received: int = 0
     """Pushes added, the clock-only ones (no parts) included."""
     contributors: set[str] = field(default_factory=set)
     """Names of the workers whose gradient is in the sums: one each per clock."""
-    spares: dict[str, torch.Tensor] = field(default_factory=dict)
+    spares: dict[str, np.ndarray] = field(default_factory=dict)
     """The previous clock's sums, reused for this clock's: a fresh buffer of a large variable
     costs a page fault per 4 KiB, more than the copy into it."""
 
-    def add(self, worker: str, parts: Sequence[Part], grads: Sequence[torch.Tensor]) -> None:
+    def add(self, worker: str, parts: Sequence[Part], grads: Sequence[np.ndarray]) -> None:
         for part, grad in zip(parts, grads):
             total = self.sums.get(part.key)
             if total is None:
                 spare = self.spares.pop(part.key, None)
-                self.sums[part.key] = grad.clone() if spare is None else spare.copy_(grad)
+                if spare is None:
+                    self.sums[part.key] = grad.copy()
+                else:
+                    spare[...] = grad
+                    self.sums[part.key] = spare
             else:
-                total.add_(grad)
+                np.add(total, grad, out=total)
             self.counts[part.key] = self.counts.get(part.key, 0) + 1
         self.received += 1
         self.contributors.add(worker)
 
-    def means(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def means(self) -> Iterator[tuple[str, np.ndarray]]:
         """``(key, mean gradient)`` per part received, each mean computed in place in its sum."""
         for key, total in self.sums.items():
             count = self.counts[key]
             if count > 1:
-                total.div_(count)
+                np.divide(total, count, out=total, casting="unsafe")
             yield key, total
 
 

@@ -1,5 +1,5 @@
 """One shard's state: its slice of the model's variables, their optimizer state, versions,
-workers and clocks. Pure Python and torch, no gRPC: the servicer translates requests into these
+workers and clocks. Pure Python and numpy, no gRPC: the servicer translates requests into these
 calls, and the consistency decisions come from ``psserver.consistency``.
 
 Every method either completes or raises a ``pswire.errors`` error with the state unchanged.
@@ -15,9 +15,10 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from pswire.codec import Part, dtype_name, on_wire
+from pswire.dtypes import DType
 from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from psserver import consistency as cons
 from psserver import snapshot
@@ -55,7 +56,7 @@ class RegisterResult:
 class PulledPart:
     part: Part
     version: int
-    value: torch.Tensor | None
+    value: np.ndarray | None
     """The part's value as of the snapshot (``None`` when skipped as unchanged): the variable
     itself, which the store leaves untouched until the snapshot is released, or a converted
     copy when the pull asked for a narrower wire dtype."""
@@ -134,7 +135,7 @@ class ShardStore:
         # clock C whenever its writer thread gets to it. At most two cuts wait to be written.
         self._cut_every = 0
         self._last_cut = 0
-        self._cuts: deque[tuple[int, tuple[int, dict[str, torch.Tensor], dict]]] = deque()
+        self._cuts: deque[tuple[int, tuple[int, dict[str, np.ndarray], dict]]] = deque()
 
     # -- membership -------------------------------------------------------------------------
 
@@ -288,7 +289,7 @@ class ShardStore:
             clock = self._current_clock()
             self._last_cut = max(self._last_cut, clock - clock % steps if steps else 0)
 
-    def next_cut(self, timeout: float) -> tuple[int, tuple[int, dict[str, torch.Tensor], dict]] | None:
+    def next_cut(self, timeout: float) -> tuple[int, tuple[int, dict[str, np.ndarray], dict]] | None:
         """The oldest state copied for a checkpoint, as ``(checkpoint id, export())``, waiting up
         to ``timeout`` seconds for one; None if there is none."""
         with self._changed:
@@ -338,7 +339,7 @@ class ShardStore:
             raise InvalidArgumentError("initialisation must list every variable of the shard in placement order")
         return [expected[p.key] for p in header_parts]
 
-    def initialize(self, worker_id: int, generation: int, values: Sequence[torch.Tensor]) -> tuple[bool, int]:
+    def initialize(self, worker_id: int, generation: int, values: Sequence[np.ndarray]) -> tuple[bool, int]:
         """Adopt ``values`` (one tensor per part, in order; ownership passes to the store) as the
         initial variables. Returns ``(applied, version)``; ``applied`` is False when another
         worker's upload won. Raises ``InvalidArgumentError`` for non-finite values."""
@@ -368,7 +369,7 @@ class ShardStore:
         sequence: int,
         base_version: int,
         parts: Sequence[Part],
-        grads: Sequence[torch.Tensor],
+        grads: Sequence[np.ndarray],
         *,
         clock: int = 0,
         base_clock: int = 0,
@@ -496,7 +497,7 @@ class ShardStore:
         worker_id: int = 0,
         generation: int = 0,
         clock: int = -1,
-        wire_dtype: torch.dtype | None = None,
+        wire_dtype: DType | None = None,
     ) -> PullSnapshot:
         """A consistent snapshot of every part; parts whose version equals
         ``known_versions[key]`` are skipped. The snapshot holds the variables themselves, without
@@ -532,7 +533,7 @@ class ShardStore:
                 if known_versions.get(slot.part.key) == slot.version:
                     out.append(PulledPart(slot.part, slot.version, None))
                 elif on_wire(slot.part, wire_dtype) is not slot.part:
-                    out.append(PulledPart(slot.part, slot.version, slot.value.to(wire_dtype)))
+                    out.append(PulledPart(slot.part, slot.version, slot.value.astype(wire_dtype.numpy)))
                 else:
                     slot.readers += 1
                     held.append((slot, slot.value))
@@ -540,7 +541,7 @@ class ShardStore:
             self._counters.pulls_served += 1
             return PullSnapshot(self._version, self._current_clock(), out, lambda: self._release(held))
 
-    def _release(self, held: list[tuple[Slot, torch.Tensor]]) -> None:
+    def _release(self, held: list[tuple[Slot, np.ndarray]]) -> None:
         with self._lock:
             for slot, value in held:
                 if slot.value is value:  # else an update already moved to a copy
@@ -585,7 +586,7 @@ class ShardStore:
                 "clock": self._current_clock(),
                 "bytes_held": sum(p.nbytes for p in job.parts) if job else 0,
                 "optimizer_state_bytes": sum(
-                    t.numel() * t.element_size() for s in self._slots.values() for t in s.state.values()
+                    t.nbytes for s in self._slots.values() for t in s.state.values()
                 ),
                 "workers": [
                     {"worker_id": w.worker_id, "worker_name": w.name, "generation": w.generation,
@@ -610,7 +611,7 @@ class ShardStore:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def export(self) -> tuple[int, dict[str, torch.Tensor], dict]:
+    def export(self) -> tuple[int, dict[str, np.ndarray], dict]:
         """A consistent copy of the whole shard state for a checkpoint: ``(version, tensors,
         metadata)``. Raises ``NotReadyError`` before initialisation."""
         with self._lock:
@@ -618,7 +619,7 @@ class ShardStore:
                 raise NotReadyError("nothing to checkpoint: the shard is not initialised")
             return self._export()
 
-    def _export(self) -> tuple[int, dict[str, torch.Tensor], dict]:
+    def _export(self) -> tuple[int, dict[str, np.ndarray], dict]:
         # Caller holds _lock; the shard is ready.
         assert self._job is not None
         position = snapshot.Position(self._version, self._current_clock(), self._clock_floor, self._open_clock,
@@ -626,7 +627,7 @@ class ShardStore:
         tensors, metadata = snapshot.encode(self._job, self._slots, self._sync, self._workers, self._counters, position)
         return self._version, tensors, metadata
 
-    def restore(self, tensors: dict[str, torch.Tensor], metadata: dict, *, source: str) -> None:
+    def restore(self, tensors: dict[str, np.ndarray], metadata: dict, *, source: str) -> None:
         """Replace this (empty) shard's state with a checkpoint's, after verifying all of it.
 
         Workers stay known (ids, generations, dedupe marks, progress) but are fenced: their next
@@ -655,7 +656,7 @@ class ShardStore:
         log.info("restored from %s: version %d, clock %d, %d workers fenced until they re-register",
                  source, self._version, self._clock_floor, len(decoded.workers))
 
-    def tensor(self, key: str) -> torch.Tensor:
+    def tensor(self, key: str) -> np.ndarray:
         """A copy of one part's current value (for tests and tools)."""
         with self._lock:
-            return self._slots[key].value.clone()
+            return self._slots[key].value.copy()

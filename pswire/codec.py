@@ -14,20 +14,23 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from pswire.dtypes import BFLOAT16, FLOAT16, DType, dtype_from_wire, dtype_name, dtype_of, dtype_to_wire
 from pswire.errors import InvalidArgumentError
 from pswire.v1 import ps_pb2
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "WIRE_DTYPES",
     "ChunkAssembler",
     "Part",
+    "array_bytes",
     "dtype_from_wire",
     "dtype_name",
     "dtype_to_wire",
     "iter_chunks",
-    "tensor_bytes",
+    "on_wire",
+    "wire_dtype_from_proto",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -35,43 +38,6 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 """Chunk size on the wire: large enough to amortise per-message cost, far below gRPC's 4 MiB."""
-
-_TO_WIRE = {
-    torch.float32: ps_pb2.FLOAT32,
-    torch.float64: ps_pb2.FLOAT64,
-    torch.float16: ps_pb2.FLOAT16,
-    torch.bfloat16: ps_pb2.BFLOAT16,
-    torch.int64: ps_pb2.INT64,
-    torch.int32: ps_pb2.INT32,
-    torch.int8: ps_pb2.INT8,
-    torch.uint8: ps_pb2.UINT8,
-}
-_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
-
-
-def dtype_to_wire(dtype: torch.dtype) -> int:
-    """Wire enum of a torch dtype; raises ``InvalidArgumentError`` for unsupported dtypes."""
-    try:
-        return _TO_WIRE[dtype]
-    except KeyError:
-        raise InvalidArgumentError(f"dtype {dtype} cannot be sent (supported: {_supported()})") from None
-
-
-def dtype_from_wire(value: int) -> torch.dtype:
-    """Torch dtype of a wire enum; raises ``InvalidArgumentError`` for unknown values."""
-    try:
-        return _FROM_WIRE[value]
-    except KeyError:
-        raise InvalidArgumentError(f"unknown wire dtype {value} (supported: {_supported()})") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _supported() -> str:
-    return ", ".join(dtype_name(d) for d in _TO_WIRE)
-
 
 @dataclass(frozen=True)
 class Part:
@@ -82,9 +48,13 @@ class Part:
 
     name: str
     full_shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     row_start: int
     row_end: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):  # a torch or numpy dtype, or a name
+            object.__setattr__(self, "dtype", dtype_of(self.dtype))
 
     @property
     def rows(self) -> int:
@@ -143,20 +113,15 @@ class Part:
         return f"{self.key} {dtype_name(self.dtype)}{list(self.shape)}"
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor as a flat memoryview, without copying.
-
-    Raises ``ValueError`` for tensors that are not on the CPU or not contiguous, where a view is
-    impossible and a silent copy would hide a cost.
-    """
-    if tensor.device.type != "cpu":
-        raise ValueError(f"tensor must be on the CPU to be sent, got {tensor.device}")
-    if not tensor.is_contiguous():
-        raise ValueError("tensor must be contiguous to be sent without a copy")
-    if tensor.numel() == 0:
+def array_bytes(array: np.ndarray) -> memoryview:
+    """The raw bytes of a C-contiguous array as a flat writable-if-the-array-is memoryview,
+    without copying. Raises ``ValueError`` for a non-contiguous array, where a view is impossible
+    and a silent copy would hide a cost."""
+    if not array.flags.c_contiguous:
+        raise ValueError("array must be contiguous to be sent without a copy")
+    if array.size == 0:
         return memoryview(b"")
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def iter_chunks(
@@ -175,24 +140,22 @@ def iter_chunks(
 class ChunkAssembler:
     """Reassembles in-order chunks of several parts into preallocated buffers.
 
-    ``destinations`` may supply a tensor per part to receive the bytes directly (the pull path
-    writes straight into model parameters); otherwise a buffer is allocated per part.
+    ``destinations`` may supply a writable byte view per part to receive the bytes directly (a
+    worker's pull writes straight into model parameters, a shard's push into pooled buffers);
+    otherwise an array is allocated per part, and :meth:`finish` returns the arrays.
     """
 
-    def __init__(
-        self, parts: Sequence[Part], destinations: Sequence[torch.Tensor | None] | None = None
-    ) -> None:
+    def __init__(self, parts: Sequence[Part], destinations: Sequence[memoryview] | None = None) -> None:
         self.parts = list(parts)
-        self._tensors: list[torch.Tensor] = []
-        for i, part in enumerate(self.parts):
-            dest = destinations[i] if destinations is not None else None
-            if dest is None:
-                dest = torch.from_numpy(np.empty(part.nbytes, dtype=np.uint8)).view(part.dtype)
-                dest = dest.reshape(part.shape)
-            elif tuple(dest.shape) != part.shape or dest.dtype != part.dtype:
-                raise ValueError(f"destination for {part.describe()} is {dest.dtype}{list(dest.shape)}")
-            self._tensors.append(dest)
-        self._views = [tensor_bytes(t) for t in self._tensors]
+        self._arrays: list[np.ndarray] = []
+        if destinations is None:
+            self._arrays = [np.empty(p.shape, dtype=p.dtype.numpy) for p in self.parts]
+            destinations = [array_bytes(a) for a in self._arrays]
+        for part, dest in zip(self.parts, destinations, strict=True):
+            if dest.nbytes != part.nbytes or dest.readonly:
+                raise ValueError(f"destination for {part.describe()} is {dest.nbytes} bytes, "
+                                 f"{'read-only' if dest.readonly else 'writable'}")
+        self._views = [d.cast("B") if d.format != "B" else d for d in destinations]
         self._received = [0] * len(self.parts)
 
     def add(self, chunk: ps_pb2.TensorChunk) -> None:
@@ -219,21 +182,22 @@ class ChunkAssembler:
         self._views[index][expected:end] = chunk.data
         self._received[index] = end
 
-    def finish(self) -> list[torch.Tensor]:
-        """The assembled tensors; raises ``InvalidArgumentError`` if any part is incomplete."""
+    def finish(self) -> list[np.ndarray]:
+        """The arrays it allocated (none when given destinations); raises
+        ``InvalidArgumentError`` if any part is incomplete."""
         for part, got in zip(self.parts, self._received):
             if got != part.nbytes:
                 raise InvalidArgumentError(
                     f"byte length of {part.key!r} is {got}, expected {part.nbytes} ({part.describe()})"
                 )
-        return self._tensors
+        return self._arrays
 
 
-WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_DTYPES = {"fp16": FLOAT16, "bf16": BFLOAT16}
 """Wire compression settings (``--wire-dtype``): the dtypes floating-point parts may travel in."""
 
 
-def wire_dtype_from_proto(value: int) -> torch.dtype | None:
+def wire_dtype_from_proto(value: int) -> DType | None:
     """The compression a header or request asks for: None for the parts' own dtypes. Raises
     ``InvalidArgumentError`` for anything but FLOAT16 or BFLOAT16."""
     if value == ps_pb2.DTYPE_UNSPECIFIED:
@@ -244,7 +208,7 @@ def wire_dtype_from_proto(value: int) -> torch.dtype | None:
     return dtype
 
 
-def on_wire(part: Part, wire_dtype: torch.dtype | None) -> Part:
+def on_wire(part: Part, wire_dtype: DType | None) -> Part:
     """``part`` as its bytes travel: in ``wire_dtype`` when it is floating point (and wider)."""
     if wire_dtype is None or not part.dtype.is_floating_point or part.dtype.itemsize <= wire_dtype.itemsize:
         return part

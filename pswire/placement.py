@@ -12,10 +12,10 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from pswire.codec import Part, dtype_name, dtype_to_wire
+from pswire.codec import Part
+from pswire.dtypes import DType, dtype_name, dtype_of
 
 __all__ = ["MIN_SPLIT_BYTES", "Placement", "VariableSpec", "model_spec", "place"]
 
@@ -27,7 +27,13 @@ MIN_SPLIT_BYTES = 256 << 10
 class VariableSpec:
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
+    """Given as a DType, a torch or numpy dtype or a name; kept as the DType (raises
+    ``InvalidArgumentError`` for a dtype the wire cannot carry)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):
+            object.__setattr__(self, "dtype", dtype_of(self.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -37,8 +43,9 @@ class VariableSpec:
         return n
 
 
-def model_spec(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[VariableSpec]:
-    """Spec of a model's variables (e.g. ``model.named_parameters()``), in the given order.
+def model_spec(named_tensors: Iterable[tuple[str, Any]]) -> list[VariableSpec]:
+    """Spec of a model's variables (e.g. ``model.named_parameters()``: anything with a ``shape``
+    and a torch or numpy ``dtype``), in the given order.
 
     Raises ``ValueError`` on duplicate names or dtypes the wire cannot carry.
     """
@@ -47,8 +54,7 @@ def model_spec(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[Variab
         if name in seen:
             raise ValueError(f"duplicate variable name {name!r}")
         seen.add(name)
-        dtype_to_wire(tensor.dtype)
-        spec.append(VariableSpec(name, tuple(tensor.shape), tensor.dtype))
+        spec.append(VariableSpec(name, tuple(tensor.shape), dtype_of(tensor.dtype)))
     return spec
 
 

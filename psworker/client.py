@@ -14,11 +14,13 @@ import torch
 
 from pswire import errors
 from pswire.consistency import Consistency, Mode
-from pswire.codec import Part, dtype_to_wire, on_wire, tensor_bytes
+from pswire.codec import Part, dtype_to_wire, on_wire
+from pswire.dtypes import dtype_of
 from pswire.optim import OptimizerConfig
 from pswire.placement import Placement, VariableSpec, place
 from pswire.v1 import ps_pb2
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_to_proto
+from psworker.tensors import tensor_bytes, torch_dtype
 from psworker.shard import ClientOptions, ShardClient, _retrying, parse_addresses
 
 __all__ = ["ClientOptions", "PSClient", "ShardClient", "parse_addresses"]
@@ -229,7 +231,7 @@ class PSClient:
             if sent is not part:  # compressed into a buffer reused step after step
                 narrow = session.narrow.get(part.key)
                 if narrow is None:
-                    narrow = session.narrow[part.key] = torch.empty(sent.shape, dtype=wire)
+                    narrow = session.narrow[part.key] = torch.empty(sent.shape, dtype=torch_dtype(wire))
                 grad = narrow.copy_(grad)
             buffers.append(tensor_bytes(grad))
         return header, buffers
@@ -390,7 +392,7 @@ class PSClient:
 
 def _rows(tensor: torch.Tensor, part: Part) -> torch.Tensor:
     """The rows of ``tensor`` that ``part`` covers, as a view (``tensor`` must be contiguous)."""
-    if tuple(tensor.shape) != part.full_shape or tensor.dtype != part.dtype:
+    if tuple(tensor.shape) != part.full_shape or dtype_of(tensor.dtype) != part.dtype:
         raise ValueError(
             f"tensor for {part.name!r} is {tensor.dtype}{list(tensor.shape)}, "
             f"expected {part.dtype}{list(part.full_shape)}"

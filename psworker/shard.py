@@ -10,17 +10,20 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
 
 from pswire import errors, frames
+from pswire.dtypes import dtype_of
 from pswire.lanes import LaneError
 from pswire.codec import (
-    DEFAULT_CHUNK_BYTES, WIRE_DTYPES, ChunkAssembler, Part, on_wire, tensor_bytes, wire_dtype_from_proto,
+    DEFAULT_CHUNK_BYTES, WIRE_DTYPES, ChunkAssembler, Part, on_wire, wire_dtype_from_proto,
 )
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psworker.lanes import Lane, LanePool
+from psworker.tensors import tensor_bytes, torch_dtype
 
 __all__ = ["KEEPALIVE_MS", "SERVICE", "ClientOptions", "ShardClient", "parse_addresses"]
 
@@ -85,9 +88,10 @@ class ClientOptions:
     """Seconds a pull may wait on the staleness bound (ssp/sync) before failing."""
     retry_timeout: float = 120.0
     """Seconds a push or pull keeps retrying an unreachable shard (e.g. one being restarted)."""
-    wire_dtype: torch.dtype | None = None
+    wire_dtype: Any = None
     """Wire compression: send floating-point gradients and pull weights in this dtype
-    (``torch.bfloat16`` or ``torch.float16``; the shards keep and update full precision).
+    (``torch.bfloat16`` or ``torch.float16``, or the ``pswire.dtypes`` of the same names, which
+    it becomes; the shards keep and update full precision).
     Halves the bytes moved; the weights a worker computes with are rounded to it."""
     inline_bytes: int = 256 << 10
     """Pushes and pulls of at most this many bytes to one shard go in a single message
@@ -104,8 +108,14 @@ class ClientOptions:
             raise ValueError("chunk_bytes must be between 1 KiB and 4 MiB")
         if not 0 <= self.inline_bytes <= (4 << 20):
             raise ValueError("inline_bytes must be between 0 and 4 MiB")
-        if self.wire_dtype not in (None, *WIRE_DTYPES.values()):
-            raise ValueError(f"wire_dtype must be None, torch.bfloat16 or torch.float16, got {self.wire_dtype}")
+        if self.wire_dtype is not None:
+            try:
+                wire = dtype_of(self.wire_dtype)
+            except errors.InvalidArgumentError:
+                wire = None
+            if wire not in WIRE_DTYPES.values():
+                raise ValueError(f"wire_dtype must be None, torch.bfloat16 or torch.float16, got {self.wire_dtype}")
+            object.__setattr__(self, "wire_dtype", wire)
 
     def deadline(self, nbytes: int) -> float:
         return self.timeout + nbytes / self.min_bandwidth
@@ -321,7 +331,7 @@ class ShardClient:
             targets, versions = self._targets(first.header, destinations)
             # Chunks name the header's part index; skipped parts send none.
             included = {i: n for n, i in enumerate(i for i, p in enumerate(first.header.parts) if p.included)}
-            assembler = ChunkAssembler([sent for _, sent, _ in targets], [buffer for _, _, buffer in targets])
+            assembler = ChunkAssembler([sent for _, sent, _ in targets], [tensor_bytes(b) for _, _, b in targets])
             for chunk in stream:
                 if not isinstance(chunk, frames.Chunk) or chunk.part_index not in included:
                     raise errors.PSError(f"shard {self.address} sent a chunk of a part not in its header")
@@ -402,7 +412,7 @@ class ShardClient:
                 targets.append((part.key, part, destinations[part.key]))
             else:
                 if sent not in self._narrow:
-                    self._narrow[sent] = torch.empty(sent.shape, dtype=sent.dtype)
+                    self._narrow[sent] = torch.empty(sent.shape, dtype=torch_dtype(sent.dtype))
                 targets.append((part.key, sent, self._narrow[sent]))
             versions[part.key] = pulled.version
         return targets, versions

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
 from psserver.checkpoint import CheckpointStore
 from tests.conftest import run_cli, start_shard
@@ -43,7 +43,7 @@ def _checkpoint(ps: str, checkpoint_id: int) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def _state(ckpt: Path) -> list[tuple[int, dict[str, torch.Tensor], dict]]:
+def _state(ckpt: Path) -> list[tuple[int, dict[str, np.ndarray], dict]]:
     store = CheckpointStore(str(ckpt))
     parts = []
     for index in range(SHARDS):
@@ -88,8 +88,8 @@ def test_k_steps_restore_and_the_rest_equals_n_steps_straight(tmp_path):
         assert id_a == id_b == FINAL_ID
         assert tensors_a.keys() == tensors_b.keys()
         for key, value in tensors_a.items():
-            assert value.dtype == tensors_b[key].dtype
-            assert torch.equal(value, tensors_b[key]), f"{key} differs after the resume"
+            assert (value.dtype, value.shape) == (tensors_b[key].dtype, tensors_b[key].shape)
+            assert value.tobytes() == tensors_b[key].tobytes(), f"{key} differs after the resume"
             compared += 1
         steps = {key: int(t) for key, t in tensors_a.items() if key.endswith("/step")}
         assert steps and set(steps.values()) == {N}, steps  # Adam's step count

@@ -21,6 +21,7 @@ from psserver.config import ServerConfig
 from psserver.server import create_server
 from pswire import errors
 from pswire import lanes as wire
+from pswire.dtypes import FLOAT32
 from pswire.optim import OptimizerConfig
 from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2, ps_pb2_grpc
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 RPC_TIMEOUT = 10.0
 SGD = OptimizerConfig(name="sgd", lr=0.5)
 ROWS = 512  # 512 x 256 float32 = 512 KiB: above the default inline limit of 256 KiB
-SPEC = [VariableSpec("emb", (ROWS, 256), torch.float32), VariableSpec("bias", (4,), torch.float32)]
+SPEC = [VariableSpec("emb", (ROWS, 256), FLOAT32), VariableSpec("bias", (4,), FLOAT32)]
 INITIAL = {
     "emb": (torch.arange(ROWS * 256, dtype=torch.float32) % 64).reshape(ROWS, 256) / 4,
     "bias": torch.tensor([1.0, -2.0, 0.5, 0.0]),

@@ -24,12 +24,14 @@ from psserver.config import ServerConfig
 from psserver.server import Shard, create_server
 from psserver.store import Registration, ShardStore
 from pswire import errors
-from pswire.codec import Part, iter_chunks, tensor_bytes
+from pswire.codec import Part, iter_chunks
+from pswire.dtypes import FLOAT32, FLOAT64
 from pswire.optim import OptimizerConfig
 from pswire.placement import VariableSpec, place
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from pswire.wire import optimizer_to_proto
 from psworker.client import ClientOptions, PSClient, ShardClient
+from psworker.tensors import tensor_bytes, torch_dtype
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,9 +43,9 @@ JOB = "job-a"
 SGD = OptimizerConfig(name="sgd", lr=0.5)
 
 SPEC = [
-    VariableSpec("w", (4, 2), torch.float32),
-    VariableSpec("b", (3,), torch.float32),
-    VariableSpec("scale", (), torch.float32),
+    VariableSpec("w", (4, 2), FLOAT32),
+    VariableSpec("b", (3,), FLOAT32),
+    VariableSpec("scale", (), FLOAT32),
 ]
 PLACEMENT = place(SPEC, 1)
 PARTS: tuple[Part, ...] = PLACEMENT.shards[0]
@@ -84,7 +86,7 @@ class Pulled:
 
     def tensor(self, key: str) -> torch.Tensor:
         part = Part.from_proto(self.parts[key].spec)
-        return torch.frombuffer(bytearray(self.data[key]), dtype=part.dtype).reshape(part.shape)
+        return torch.frombuffer(bytearray(self.data[key]), dtype=torch_dtype(part.dtype)).reshape(part.shape)
 
     def snapshot(self) -> tuple[int, dict[str, tuple[int, bytes]]]:
         return self.version, {k: (self.parts[k].version, self.data[k]) for k in self.data}
@@ -368,7 +370,7 @@ def test_psclient_happy_path(shard, inline_bytes):
 def test_large_parts_move_in_chunks_and_split_across_two_shards(make_shard, open_stub, bulk):
     """Two shards, a variable split by rows, both directions: through gRPC in chunks far smaller
     than a part, or on the bulk lanes."""
-    spec = [VariableSpec("emb", (256, 512), torch.float32), VariableSpec("bias", (8,), torch.float32)]
+    spec = [VariableSpec("emb", (256, 512), FLOAT32), VariableSpec("bias", (8,), FLOAT32)]
     placement = place(spec, 2)
     assert len(placement.parts_of("emb")) == 2
     shards = [make_shard(chunk_bytes=4096) for _ in range(2)]
@@ -524,11 +526,10 @@ def test_initialize_by_unknown_worker_or_without_job_is_refused(stub):
 
 W_SPEC = PART["w"].to_proto()
 W_CHUNKS = chunks([GRADS["w"]])  # 32 bytes in 4 chunks of 8
-FLOAT32 = ps_pb2.FLOAT32
 
 
 def _spec(
-    name: str, shape: Sequence[int], dtype: int = FLOAT32, rows: tuple[int, int] | None = None
+    name: str, shape: Sequence[int], dtype: int = ps_pb2.FLOAT32, rows: tuple[int, int] | None = None
 ) -> ps_pb2.PartSpec:
     start, end = rows if rows is not None else (0, shape[0] if shape else 1)
     return ps_pb2.PartSpec(name=name, full_shape=list(shape), dtype=dtype, row_start=start, row_end=end)
@@ -686,16 +687,16 @@ def _parts_with(**changes: Part) -> list[ps_pb2.PartSpec]:
 
 REGISTER_MISMATCHES: dict[str, tuple[dict, tuple[str, ...]]] = {
     "shape": (
-        {"parts": _parts_with(w=Part("w", (4, 3), torch.float32, 0, 4))},
+        {"parts": _parts_with(w=Part("w", (4, 3), FLOAT32, 0, 4))},
         ("'w'", "[4, 2]", "[4, 3]"),
     ),
     "dtype": (
-        {"parts": _parts_with(w=Part("w", (4, 2), torch.float64, 0, 4))},
+        {"parts": _parts_with(w=Part("w", (4, 2), FLOAT64, 0, 4))},
         ("'w'", "float32[4, 2]", "float64[4, 2]"),
     ),
     "missing-variable": ({"parts": [p.to_proto() for p in PARTS[:2]]}, ("lacks", "scale")),
     "extra-variable": (
-        {"parts": [*(p.to_proto() for p in PARTS), Part("extra", (2,), torch.float32, 0, 2).to_proto()]},
+        {"parts": [*(p.to_proto() for p in PARTS), Part("extra", (2,), FLOAT32, 0, 2).to_proto()]},
         ("'extra'", "not in the job"),
     ),
     "optimizer-lr": ({"optimizer": optimizer_to_proto(OptimizerConfig(name="sgd", lr=0.25))}, ("lr", "0.5", "0.25")),
@@ -720,7 +721,7 @@ MALFORMED_REGISTERS: dict[str, tuple[dict, tuple[str, ...]]] = {
     "zero-shards": ({"num_shards": 0}, ("0 shards",)),
     "no-parts": ({"parts": []}, ("no variables",)),
     "part-twice": ({"parts": [p.to_proto() for p in (*PARTS, PARTS[0])]}, ("twice",)),
-    "bad-rows": ({"parts": _parts_with(w=Part("w", (4, 2), torch.float32, 0, 9))}, ("'w'", "rows")),
+    "bad-rows": ({"parts": _parts_with(w=Part("w", (4, 2), FLOAT32, 0, 9))}, ("'w'", "rows")),
     "bad-optimizer-lr": ({"optimizer": ps_pb2.OptimizerSettings(name="sgd", lr=0.0, eps=1e-8)}, ("learning rate",)),
     "unknown-optimizer": ({"optimizer": ps_pb2.OptimizerSettings(name="lamb", lr=0.1, eps=1e-8)}, ("'lamb'",)),
 }
@@ -778,7 +779,7 @@ def _preinitialised_store() -> tuple[ShardStore, Worker]:
         parts=PARTS, optimizer=SGD, job_fingerprint=JOB,
     ))
     worker = Worker(result.worker_id, result.generation)
-    assert store.initialize(worker.worker_id, worker.generation, [INITIAL[p.key].clone() for p in PARTS]) == (True, 0)
+    assert store.initialize(worker.worker_id, worker.generation, [INITIAL[p.key].numpy().copy() for p in PARTS]) == (True, 0)
     return store, worker
 
 
@@ -862,7 +863,7 @@ def test_shard_client_maps_status_codes_to_domain_errors(ready, make_shard):
 
 
 def test_psclient_register_mismatch_is_a_precondition_error(ready):
-    spec = [VariableSpec("w", (4, 3), torch.float32), *SPEC[1:]]
+    spec = [VariableSpec("w", (4, 3), FLOAT32), *SPEC[1:]]
     with PSClient([ready.shard.address], ClientOptions(timeout=RPC_TIMEOUT)) as client:
         with pytest.raises(errors.PreconditionError) as info:
             client.register(spec, SGD, worker_name="worker-1", job_fingerprint=JOB)

@@ -3,11 +3,12 @@
 import threading
 import time
 
+import numpy as np
 import pytest
-import torch
 
 from pswire.codec import Part
 from pswire.consistency import Consistency
+from pswire.dtypes import FLOAT32
 from pswire.errors import DeadlineError, FencedError
 from pswire.optim import OptimizerConfig
 from psserver.job import Registration
@@ -16,7 +17,8 @@ from psserver.store import ShardStore
 
 pytestmark = pytest.mark.timeout(60)
 
-PART = Part("w", (2,), torch.float32, 0, 2)
+PART = Part("w", (2,), FLOAT32, 0, 2)
+F32 = FLOAT32.numpy
 
 
 class FakeClock:
@@ -47,10 +49,10 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
     ssp = Consistency(mode="ssp", staleness=0)
     a = store.register(_reg("a", ssp))
     b = store.register(_reg("b", ssp))
-    store.initialize(a.worker_id, a.generation, [torch.zeros(2)])
+    store.initialize(a.worker_id, a.generation, [np.zeros(2, dtype=F32)])
 
     # a pushes clock 0; its next pull (clock 1) must wait for b, still at clock 0.
-    store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [torch.ones(2)], clock=0, base_clock=0)
+    store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [np.ones(2, dtype=F32)], clock=0, base_clock=0)
     with pytest.raises(DeadlineError, match="waiting for b"):
         store.pull({}, timeout=0.0, worker_id=a.worker_id, generation=a.generation, clock=1)
 
@@ -71,7 +73,7 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
     # b's late push and heartbeat are fenced off; nothing changes.
     version = store.status()["version"]
     with pytest.raises(FencedError, match="evicted"):
-        store.apply_push(b.worker_id, b.generation, 1, 0, [PART], [torch.ones(2)], clock=0, base_clock=0)
+        store.apply_push(b.worker_id, b.generation, 1, 0, [PART], [np.ones(2, dtype=F32)], clock=0, base_clock=0)
     with pytest.raises(FencedError, match="re-register"):
         store.heartbeat(b.worker_id, b.generation)
     # ... and so is its training pull, which would otherwise wait on a clock nobody advances.
@@ -82,7 +84,7 @@ def test_silent_worker_is_evicted_fenced_and_can_rejoin():
     # b re-registers: a new generation, starting at the shard's clock.
     again = store.register(_reg("b", ssp))
     assert again.generation == b.generation + 1 and again.clock == 1
-    store.apply_push(b.worker_id, again.generation, 1, 0, [PART], [torch.ones(2)], clock=1, base_clock=1)
+    store.apply_push(b.worker_id, again.generation, 1, 0, [PART], [np.ones(2, dtype=F32)], clock=1, base_clock=1)
 
 
 def test_eviction_completes_an_open_sync_clock():
@@ -91,15 +93,15 @@ def test_eviction_completes_an_open_sync_clock():
     sync = Consistency(mode="sync")
     a = store.register(_reg("a", sync))
     b = store.register(_reg("b", sync))
-    store.initialize(a.worker_id, a.generation, [torch.zeros(2)])
-    result = store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [torch.full((2,), 2.0)], clock=0)
+    store.initialize(a.worker_id, a.generation, [np.zeros(2, dtype=F32)])
+    result = store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [np.full(2, 2.0, dtype=F32)], clock=0)
     assert result.action.value == "accumulate" and store.status()["version"] == 0
     clock.now += 6.0
     store.heartbeat(a.worker_id, a.generation)
     assert store.evict_expired() == ["b"]
     # The clock closed with a's gradient alone: one aggregate, applied once.
     assert store.status()["version"] == 1 and store.status()["clock"] == 1
-    assert torch.equal(store.tensor("w"), torch.full((2,), -2.0))
+    np.testing.assert_array_equal(store.tensor("w"), np.full(2, -2.0, dtype=F32), strict=True)
 
 
 def test_no_eviction_without_a_lease():
@@ -116,8 +118,8 @@ def test_a_pull_waiting_on_the_bound_ends_when_its_registration_is_void():
     ssp = Consistency(mode="ssp", staleness=0)
     a = store.register(_reg("a", ssp))
     b = store.register(_reg("b", ssp))
-    store.initialize(a.worker_id, a.generation, [torch.zeros(2)])
-    store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [torch.ones(2)], clock=0, base_clock=0)
+    store.initialize(a.worker_id, a.generation, [np.zeros(2, dtype=F32)])
+    store.apply_push(a.worker_id, a.generation, 1, 0, [PART], [np.ones(2, dtype=F32)], clock=0, base_clock=0)
     outcome: list[BaseException] = []
 
     def waiting_pull() -> None:

@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pswire.dtypes import BFLOAT16, FLOAT16, FLOAT32, INT64
 from pswire.placement import MIN_SPLIT_BYTES, VariableSpec, model_spec, place
 
 pytestmark = pytest.mark.timeout(120)
@@ -14,7 +16,7 @@ shapes = st.lists(
 
 
 def _spec(shape_list):
-    return [VariableSpec(f"v{i}", s, torch.float32) for i, s in enumerate(shape_list)]
+    return [VariableSpec(f"v{i}", s, FLOAT32) for i, s in enumerate(shape_list)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -54,7 +56,7 @@ def test_no_shard_holds_much_more_than_its_share(shape_list, num_shards):
 
 
 def test_one_large_tensor_is_split_evenly_by_rows():
-    placement = place([VariableSpec("emb", (1000, 256), torch.float32)], 4)
+    placement = place([VariableSpec("emb", (1000, 256), FLOAT32)], 4)
     assert placement.shard_bytes() == [250 * 256 * 4] * 4
     assert [p.key for p in placement.shards[1]] == ["emb[250:500]"]
 
@@ -66,12 +68,31 @@ def test_digest_changes_with_shape_and_shard_count():
     assert place(spec, 2).digest() != place(spec, 3).digest()
 
 
+# Placement digests as the torch-based code on main computed them: shards and workers compare
+# digests at registration, so the same model must keep the same digest.
+MIXED = [VariableSpec("emb", (1000, 256), FLOAT32), VariableSpec("w", (10, 10), BFLOAT16),
+         VariableSpec("b", (5,), FLOAT16), VariableSpec("step", (), INT64)]
+MIXED_DIGESTS = {2: "d3860e1a8f22a6bb1e24371a85da0e07", 3: "467f4e733019216eec9984833fcdab9a"}
+LINEAR_3_2_DIGEST = "39492abb7b6a7d9506a3f8dfb4ea90a1"  # torch.nn.Linear(3, 2) on 2 shards
+
+
+def test_digest_of_a_given_spec_does_not_change():
+    for shards, digest in MIXED_DIGESTS.items():
+        assert place(MIXED, shards).digest() == digest
+    assert place(model_spec(torch.nn.Linear(3, 2).named_parameters()), 2).digest() == LINEAR_3_2_DIGEST
+
+
 def test_model_spec_and_errors():
     model = torch.nn.Linear(3, 2)
     spec = model_spec(model.named_parameters())
-    assert [(v.name, v.shape) for v in spec] == [("weight", (2, 3)), ("bias", (2,))]
+    assert [(v.name, v.shape, v.dtype) for v in spec] == [("weight", (2, 3), FLOAT32), ("bias", (2,), FLOAT32)]
+    named = [("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros((), dtype=torch.int64))]
+    assert model_spec(named) == [VariableSpec("a", (2, 3), BFLOAT16), VariableSpec("b", (), INT64)]
+    assert model_spec([("a", np.zeros((2, 3), dtype=BFLOAT16.numpy))]) == model_spec(named[:1])
     with pytest.raises(ValueError, match="duplicate"):
         model_spec([("a", torch.zeros(1)), ("a", torch.zeros(1))])
+    with pytest.raises(ValueError, match="complex64 cannot be sent"):
+        model_spec([("a", torch.zeros(1, dtype=torch.complex64))])
     with pytest.raises(ValueError, match="shards must be >= 1"):
         place(spec, 0)
     with pytest.raises(ValueError, match="no variables"):

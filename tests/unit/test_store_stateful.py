@@ -3,7 +3,9 @@ pushes, retried pushes, departures and re-registrations, against a reference mod
 
 The model keeps every variable in float64 and updates it with SGD at lr=1, so after any run a
 variable equals its initial value less the sum of the (scaled, or averaged per sync clock)
-gradients the shard applied. Expected outcomes are derived from the rules of DESIGN.md §4 and
+gradients the shard applied. It computes each update with the numpy operations of
+``psserver.optimizers.Sgd`` (``param += -lr * grad``, a sync mean as ``sum / count``), so the
+store's variables must equal it bit for bit. Expected outcomes are derived from the rules of DESIGN.md §4 and
 ``psserver.consistency``'s docstring, and the pure decisions are checked to agree with them.
 Sync clocks take one gradient per worker (a re-registered worker's second one is dropped), and
 only live senders fill a quorum, while a departed sender's gradient still joins the mean.
@@ -13,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
-import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -29,6 +31,7 @@ from hypothesis.stateful import (
 from psserver.consistency import Consistency, Mode, PushAction, StalePolicy, decide_pull, decide_push, sync_quorum
 from psserver.store import PushResult, Registration, RegisterResult, ShardStore
 from pswire.codec import Part
+from pswire.dtypes import FLOAT64
 from pswire.errors import DeadlineError, InvalidArgumentError, PreconditionError
 from pswire.optim import OptimizerConfig
 
@@ -36,7 +39,7 @@ pytestmark = pytest.mark.timeout(300)
 
 MACHINE = settings(max_examples=75, stateful_step_count=40, deadline=None)
 SGD = OptimizerConfig(name="sgd", lr=1.0)
-F64 = torch.float64
+F64 = FLOAT64
 NAMES = ("w0", "w1", "w2", "w3")
 DEDUPE_WINDOW = 8  # small, so that retries of forgotten pushes happen too
 WORKER_FIELDS = ("worker_id", "worker_name", "generation", "pushes", "clock", "live")
@@ -75,7 +78,7 @@ def integer_tensor(shape: tuple[int, ...], bound: int):
     for n in shape:
         numel *= n
     return st.lists(st.integers(-bound, bound), min_size=numel, max_size=numel).map(
-        lambda xs: torch.tensor(xs, dtype=F64).reshape(shape)
+        lambda xs: np.array(xs, dtype=F64.numpy).reshape(shape)
     )
 
 
@@ -138,7 +141,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.part_version = dict.fromkeys(self.keys, 0)
         self.open_clock = 0
         self.floor = 0
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, np.ndarray] = {}
         self.counts: dict[str, int] = {}
         self.received = 0
         self.contributors: set[str] = set()
@@ -166,7 +169,7 @@ class StoreMachine(RuleBasedStateMachine):
             for name in NAMES[1:workers]:
                 self._register(name, must_initialize=False)
         initial = [data.draw(integer_tensor(p.shape, 8), label=f"initial {p.key}") for p in parts]
-        self.params = {p.key: t.clone() for p, t in zip(parts, initial)}
+        self.params = {p.key: t.copy() for p, t in zip(parts, initial)}
         first = self.workers[NAMES[0]]
         assert self.store.initialize(first.worker_id, first.generation, initial) == (True, 0)
         if not early:
@@ -204,7 +207,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.version += 1
         for key, total in self.sums.items():
             mean = total / self.counts[key]
-            self.params[key].add_(mean, alpha=-1.0)
+            self.params[key] += -SGD.lr * mean
             self.part_version[key] = self.version
         self.aggregates += 1
         event(f"aggregate of {self.received}")
@@ -253,7 +256,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert after[0] == before[0]
         assert after[1] == before[1]
         for key in self.keys:
-            assert torch.equal(after[2][key], before[2][key]), key
+            np.testing.assert_array_equal(after[2][key], before[2][key], err_msg=key, strict=True)
 
     # -- rules --------------------------------------------------------------------------------
 
@@ -341,7 +344,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert f"waiting for {slowest[1]}" in message
             return False
         snapshot = self.store.pull(known, **call)
-        self.held.append((snapshot, {p.part.key: p.value.clone() for p in snapshot.parts if p.value is not None}))
+        self.held.append((snapshot, {p.part.key: p.value.copy() for p in snapshot.parts if p.value is not None}))
         if len(self.held) > 2:  # the oldest is sent by now; the others stay held across updates
             self.held.pop(0)[0].release()
         self.pulls_served += 1
@@ -355,7 +358,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert pulled.value is None
             else:
                 assert pulled.value is not None
-                torch.testing.assert_close(pulled.value, self.params[key])
+                np.testing.assert_array_equal(pulled.value, self.params[key], err_msg=key, strict=True)
         worker.pulled = Pulled(snapshot.version, snapshot.clock, clock, worker.generation)
         worker.known = {p.part.key: p.version for p in snapshot.parts}
         return True
@@ -376,12 +379,13 @@ class StoreMachine(RuleBasedStateMachine):
             clock=clock, base_clock=pulled.clock,
         )
         expected = self.expect_push(worker, keys, grads, clock, pulled)
-        sent = [g.clone() for g in grads]
+        sent = [g.copy() for g in grads]
         result = self.store.apply_push(**{**args, "grads": sent})
         assert result == expected
         event(f"push {result.action.value}" + (" (stale)" if result.staleness > (self.cons.bound or 0) else ""))
         for g, s in zip(grads, sent):
-            assert torch.equal(g, s), "the store wrote into a gradient it was handed"
+            assert np.array_equal(g, s), "the store wrote into a gradient it was handed"
+            s[...] = 1000  # the caller reuses its buffer, as the servicer does a receive buffer
         worker.sequence = sequence
         worker.history[sequence] = (args, result)
         worker.pulled = None
@@ -419,7 +423,7 @@ class StoreMachine(RuleBasedStateMachine):
 
         if action is PushAction.ACCUMULATE:
             for key, grad in zip(keys, grads):
-                self.sums[key] = self.sums[key] + grad if key in self.sums else grad.clone()
+                self.sums[key] = self.sums[key] + grad if key in self.sums else grad.copy()
                 self.counts[key] = self.counts.get(key, 0) + 1
             self.received += 1
             self.contributors.add(worker.name)
@@ -429,7 +433,7 @@ class StoreMachine(RuleBasedStateMachine):
         elif keys:
             self.version += 1
             for key, grad in zip(keys, grads):
-                self.params[key].add_(grad, alpha=-(SGD.lr * scale))
+                self.params[key] += -(SGD.lr * scale) * grad
                 self.part_version[key] = self.version
             self.applied_pushes += 1
             self.scaled += action is PushAction.SCALE
@@ -454,7 +458,7 @@ class StoreMachine(RuleBasedStateMachine):
             reply = PushResult(self.version, 0, PushAction.APPLY)
             event("retry past the window")
         before = self.observable()
-        result = self.store.apply_push(**{**args, "grads": [g.clone() for g in args["grads"]]})
+        result = self.store.apply_push(**{**args, "grads": [g.copy() for g in args["grads"]]})
         self.pushes_received += 1
         self.retries += 1
         assert result == reply
@@ -469,7 +473,7 @@ class StoreMachine(RuleBasedStateMachine):
         with pytest.raises(InvalidArgumentError, match=f"already at clock {worker.clock}"):
             self.store.apply_push(
                 worker.worker_id, worker.generation, worker.sequence + 1, self.version,
-                [self.parts[0]], [torch.ones(self.parts[0].shape, dtype=F64)],
+                [self.parts[0]], [np.ones(self.parts[0].shape, dtype=F64.numpy)],
                 clock=worker.clock - 1, base_clock=self.current_clock(),
             )
         self.pushes_received += 1
@@ -486,7 +490,7 @@ class StoreMachine(RuleBasedStateMachine):
         with pytest.raises(PreconditionError, match="re-register"):
             self.store.apply_push(
                 worker.worker_id, generation, worker.sequence + 1, self.version,
-                [self.parts[0]], [torch.ones(self.parts[0].shape, dtype=F64)],
+                [self.parts[0]], [np.ones(self.parts[0].shape, dtype=F64.numpy)],
                 clock=worker.clock, base_clock=self.current_clock(),
             )
         with pytest.raises(PreconditionError, match="re-register"):
@@ -555,12 +559,12 @@ class StoreMachine(RuleBasedStateMachine):
         for snapshot, values in self.held:
             for pulled in snapshot.parts:
                 if pulled.value is not None:
-                    torch.testing.assert_close(pulled.value, values[pulled.part.key], rtol=0, atol=0)
+                    np.testing.assert_array_equal(pulled.value, values[pulled.part.key], strict=True)
 
     @invariant()
     def variables_equal_the_reference(self):
         for key in self.keys:
-            torch.testing.assert_close(self.store.tensor(key), self.params[key])
+            np.testing.assert_array_equal(self.store.tensor(key), self.params[key], err_msg=key, strict=True)
 
     @invariant()
     def versions_and_clocks_never_go_back(self):
@@ -620,7 +624,7 @@ def _job(consistency: Consistency, *names: str) -> tuple[ShardStore, dict[str, R
     store = ShardStore()
     workers = {name: store.register(registration(name, ONE, consistency)) for name in names}
     first = workers[names[0]]
-    assert store.initialize(first.worker_id, first.generation, [torch.zeros(2, dtype=F64)]) == (True, 0)
+    assert store.initialize(first.worker_id, first.generation, [np.zeros(2, dtype=F64.numpy)]) == (True, 0)
     return store, workers
 
 
@@ -628,7 +632,7 @@ def _step(store: ShardStore, worker: RegisterResult, clock: int, sequence: int, 
     snapshot = store.pull({}, timeout=0.0, worker_id=worker.worker_id,
                           generation=worker.generation, clock=clock)
     return store.apply_push(
-        worker.worker_id, worker.generation, sequence, snapshot.version, ONE, [torch.full((2,), grad, dtype=F64)],
+        worker.worker_id, worker.generation, sequence, snapshot.version, ONE, [np.full(2, grad, dtype=F64.numpy)],
         clock=clock, base_clock=snapshot.clock,
     )
 
@@ -656,7 +660,7 @@ def test_sync_clock_takes_one_gradient_per_worker_across_re_registration():
     assert store.status()["version"] == 0  # clock 0 still waits for b
     assert _step(store, workers["b"], 0, 1, 5.0).action is PushAction.ACCUMULATE
     assert store.status()["version"] == 1
-    torch.testing.assert_close(store.tensor("v"), torch.full((2,), -3.0, dtype=F64))  # mean of 1 and 5
+    np.testing.assert_array_equal(store.tensor("v"), np.full(2, -3.0, dtype=F64.numpy), strict=True)  # mean of 1 and 5
 
 
 def test_sync_clock_waits_for_live_workers_after_a_contributor_leaves():
@@ -668,7 +672,7 @@ def test_sync_clock_waits_for_live_workers_after_a_contributor_leaves():
     assert store.status()["version"] == 0
     assert _step(store, b, 0, 1, 5.0).action is PushAction.ACCUMULATE
     assert store.status()["version"] == 1
-    torch.testing.assert_close(store.tensor("v"), torch.full((2,), -3.0, dtype=F64))
+    np.testing.assert_array_equal(store.tensor("v"), np.full(2, -3.0, dtype=F64.numpy), strict=True)
 
 
 @pytest.mark.parametrize("mode", [Mode.SYNC, Mode.ASYNC])
@@ -683,5 +687,5 @@ def test_checkpoint_cuts_copy_the_state_the_moment_the_clock_reaches_each_multip
     assert cuts[2] is None
     for (checkpoint_id, (version, tensors, metadata)), expected in zip(cuts[:2], (2, 4)):
         assert checkpoint_id == metadata["clock"] == version == expected
-        torch.testing.assert_close(tensors["var/v"], torch.full((2,), -1.0 * expected, dtype=F64))
+        np.testing.assert_array_equal(tensors["var/v"], np.full(2, -1.0 * expected, dtype=F64.numpy), strict=True)
     assert store.status()["version"] == 5
