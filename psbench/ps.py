@@ -147,12 +147,14 @@ class _Paired:
         self.cpu_seconds = 0.0
 
     def __call__(self, *, record: bool = True) -> None:
+        """Run the reference once; ``record=False`` (warm-up, before any CPU meter starts)
+        keeps neither its time nor its CPU."""
         if self._reference is None:
             return
         cpu = time.process_time()
         seconds = self._reference()
-        self.cpu_seconds += time.process_time() - cpu
         if record:
+            self.cpu_seconds += time.process_time() - cpu
             self.seconds.append(seconds)
 
 

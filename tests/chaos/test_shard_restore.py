@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from psworker.client import ClientOptions, PSClient
+from psworker.tasks import load_task
 from tests.conftest import ROOT, child_env, start_shard
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -22,12 +23,13 @@ STEPS = 1000
 KILL_AT = 500
 
 
-def _workers(ps: str, mode: str, count: int) -> list[subprocess.Popen]:
+def _workers(ps: str, mode: str, count: int, lr_scale: float = 1.0) -> list[subprocess.Popen]:
+    lr = () if lr_scale == 1.0 else ("--lr", repr(load_task("mnist1d-mlp").defaults.lr * lr_scale))
     return [
         subprocess.Popen(
             [sys.executable, "-m", "psworker", "--ps", ps, "--worker-index", str(i), "--num-workers", str(count),
              "--threads", "1", "--progress", "log", "--task", "mnist1d-mlp", "--steps", str(STEPS),
-             "--mode", mode],
+             "--mode", mode, *lr],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
         )
         for i in range(count)
@@ -54,10 +56,11 @@ def _accuracy(ps: str) -> float:
     return evaluate_job(ps, "mnist1d-mlp")["test_accuracy"]
 
 
-def _run(directory: Path, mode: str, count: int, *, kill: bool) -> tuple[float, list[dict], float]:
+def _run(directory: Path, mode: str, count: int, *, kill: bool, lr_scale: float = 1.0) -> tuple[float, list[dict], float]:
     """Train the job on two shards; with ``kill``, SIGKILL shard 1 once both shards passed
-    version ``KILL_AT`` and restart it with --restore on the same port. Returns the final test
-    accuracy, the workers' results and the seconds from the kill until the shard served again."""
+    version ``KILL_AT`` and restart it with --restore on the same port. ``lr_scale`` multiplies
+    the task's learning rate. Returns the final test accuracy, the workers' results and the
+    seconds from the kill until the shard served again."""
     directory.mkdir()
     ckpt = directory / "ckpt"
     # A checkpoint every 20 steps: the restored shard rolls back at most that far.
@@ -67,7 +70,7 @@ def _run(directory: Path, mode: str, count: int, *, kill: bool) -> tuple[float, 
     recovered = 0.0
     try:
         ps = ",".join(s.address for s in shards)
-        workers = _workers(ps, mode, count)
+        workers = _workers(ps, mode, count, lr_scale)
         if kill:
             deadline = time.monotonic() + 300
             while min(_versions(ps)) < KILL_AT:
@@ -97,12 +100,10 @@ def _run(directory: Path, mode: str, count: int, *, kill: bool) -> tuple[float, 
 @pytest.mark.parametrize(
     ("mode", "count", "tolerance"),
     [
-        # One sync worker is deterministic: an uninterrupted run always ends at the same
-        # accuracy, so the comparison shows the fault's own effect (a rollback of at most one
-        # checkpoint interval on one shard), and the promise of 2 points is held to.
+        # Sync runs are deterministic (two workers hold step 1 until both have joined, and each
+        # clock averages the same gradients whatever order they arrive in), so the promise of
+        # 2 points is held to, against the uninterrupted runs below.
         ("sync", 1, 0.02),
-        # Two sync workers are deterministic too: both hold step 1 until both have joined, and
-        # each clock averages the same two gradients whatever order they arrive in.
         ("sync", 2, 0.02),
         # Two async workers: uninterrupted runs themselves end anywhere in 0.62-0.69 (the
         # interleaving of their pushes), so one pair of runs cannot resolve 2 points; this checks
@@ -112,8 +113,15 @@ def _run(directory: Path, mode: str, count: int, *, kill: bool) -> tuple[float, 
     ids=["sync-1-worker", "sync-2-workers", "async-2-workers"],
 )
 def test_killed_shard_restores_and_training_rides_through(tmp_path, mode, count, tolerance):
-    baseline, _, _ = _run(tmp_path / "uninterrupted", mode, count, kill=False)
+    # Deterministic is not the same as stable: any change to the trajectory moves where 1000
+    # steps end. Sync with two workers ended at 0.672, 0.656, 0.656 and 0.651 uninterrupted with
+    # learning rates 1, 1 + 1e-5, 1 - 1e-5 and 1 + 2e-6 times the task's, so one uninterrupted
+    # run cannot resolve 2 points. The interrupted run is held to 2 points of the range that
+    # three uninterrupted runs span, two of them with learning rates 1e-5 apart from the first.
+    scales = (1.0, 1 + 1e-5, 1 - 1e-5) if mode == "sync" else (1.0,)
+    baselines = [_run(tmp_path / f"uninterrupted{i}", mode, count, kill=False, lr_scale=scale)[0]
+                 for i, scale in enumerate(scales)]
     interrupted, results, recovered = _run(tmp_path / "interrupted", mode, count, kill=True)
     print(f"{mode}, {count} worker(s): shard back {recovered:.2f}s after SIGKILL; final accuracy "
-          f"{interrupted:.3f} vs {baseline:.3f} uninterrupted; rejoins {[r['rejoins'] for r in results]}")
-    assert abs(interrupted - baseline) <= tolerance, (interrupted, baseline)
+          f"{interrupted:.3f} vs {baselines} uninterrupted; rejoins {[r['rejoins'] for r in results]}")
+    assert min(baselines) - tolerance <= interrupted <= max(baselines) + tolerance, (interrupted, baselines)
