@@ -89,12 +89,16 @@ def test_ssp_bound_holds_with_a_five_times_slower_worker(shards):
     results = _finish(procs)
     assert all(r["steps"] == 120 for r in results)
     assert spread_seen >= 1, "fast workers never ran ahead of the straggler"
-    for shard in _status(ps):
+    statuses = _status(ps)
+    for shard in statuses:
         assert shard.consistency.mode == "ssp" and shard.consistency.staleness == bound
         assert shard.max_staleness <= bound
         assert shard.pushes_dropped == 0 and shard.pushes_scaled == 0
-        assert shard.pull_wait_seconds > 0, "fast workers should have waited for the straggler"
         assert sum(b.count for b in shard.staleness_histogram) == shard.pushes_applied
+    # The fast workers waited, but not necessarily on every shard: a pull is sent to both at
+    # once, and a shard that the straggler's push reached first lets it through (one CI run saw
+    # every wait land on shard 0, the other shard holding only the 4-byte bias).
+    assert sum(s.pull_wait_seconds for s in statuses) > 0, "fast workers should have waited for the straggler"
     table = run_cli("psworker.ctl", "status", "--ps", ps, timeout=60).stdout
     assert "ssp S=2" in table and "staleness histogram 0:" in table
 
