@@ -65,6 +65,13 @@ def _supported() -> str:
     return ", ".join(_BY_NAME)
 
 
+def _lookup(table: dict[Any, DType], key: Any, what: str) -> DType:
+    try:
+        return table[key]
+    except KeyError:
+        raise InvalidArgumentError(f"{what} (supported: {_supported()})") from None
+
+
 def dtype_of(dtype: Any) -> DType:
     """The :class:`DType` of a DType, a numpy dtype (or scalar type), a torch dtype or a name such
     as ``"float32"``. Raises ``InvalidArgumentError`` naming the dtype if the wire cannot carry it."""
@@ -79,18 +86,12 @@ def dtype_of(dtype: Any) -> DType:
             name = np.dtype(dtype).name
         except TypeError:
             name = str(dtype)
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise InvalidArgumentError(f"dtype {dtype} cannot be sent (supported: {_supported()})") from None
+    return _lookup(_BY_NAME, name, f"dtype {dtype} cannot be sent")
 
 
 def dtype_from_safetensors(code: str) -> DType:
     """The DType of a safetensors dtype code (``"F32"``); raises ``InvalidArgumentError``."""
-    try:
-        return _BY_SAFETENSORS[code]
-    except KeyError:
-        raise InvalidArgumentError(f"safetensors dtype {code!r} is not one a shard holds ({_supported()})") from None
+    return _lookup(_BY_SAFETENSORS, code, f"safetensors dtype {code!r} is not one a shard holds")
 
 
 def dtype_to_wire(dtype: Any) -> int:
@@ -100,10 +101,7 @@ def dtype_to_wire(dtype: Any) -> int:
 
 def dtype_from_wire(value: int) -> DType:
     """DType of a wire enum; raises ``InvalidArgumentError`` for unknown values."""
-    try:
-        return _BY_WIRE[value]
-    except KeyError:
-        raise InvalidArgumentError(f"unknown wire dtype {value} (supported: {_supported()})") from None
+    return _lookup(_BY_WIRE, value, f"unknown wire dtype {value}")
 
 
 def dtype_name(dtype: Any) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pswire.codec import array_bytes
 from pswire.dtypes import DType
 
 __all__ = ["tensor_bytes", "torch_dtype"]
@@ -23,10 +24,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         raise ValueError(f"tensor must be on the CPU to be sent, got {tensor.device}")
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous to be sent without a copy")
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return array_bytes(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
