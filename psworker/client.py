@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -42,8 +43,9 @@ class _ShardSession:
     """The shard clock of the last pull."""
     narrow: dict[str, torch.Tensor] = field(default_factory=dict)
     """Part key -> buffer its gradient is compressed into (``ClientOptions.wire_dtype``)."""
-    known: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Part key -> (version, data pointer of the tensor it was pulled into)."""
+    known: dict[str, tuple[int, weakref.ref, int]] = field(default_factory=dict)
+    """Part key -> (version, the tensor it was pulled into, that tensor's data pointer). Both
+    must still match for a pull to skip the part: a new tensor can get a freed one's address."""
 
 
 class PSClient:
@@ -191,9 +193,11 @@ class PSClient:
         dest = {p.key: _rows(destinations[p.name], p) for p in session.parts}
         known = {}
         if skip_unchanged:
-            for key, (version, ptr) in session.known.items():
-                if dest[key].data_ptr() == ptr:
-                    known[key] = version
+            for p in session.parts:
+                version, ref, ptr = session.known.get(p.key, (0, None, 0))
+                tensor = destinations[p.name]
+                if ref is not None and ref() is tensor and tensor.data_ptr() == ptr:
+                    known[p.key] = version
         wire = self.options.wire_dtype
         request = ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
                                      known_versions=known, clock=clock if may_wait else -1,
@@ -201,9 +205,14 @@ class PSClient:
         return request, dest, sum(on_wire(p, wire).nbytes for p in session.parts)
 
     @staticmethod
-    def _pulled(session: _ShardSession, header: ps_pb2.PullHeader, written: Mapping[str, int], dest) -> int:
+    def _pulled(
+        session: _ShardSession, header: ps_pb2.PullHeader, written: Mapping[str, int],
+        destinations: Mapping[str, torch.Tensor],
+    ) -> int:
+        names = {p.key: p.name for p in session.parts}
         for key, part_version in written.items():
-            session.known[key] = (part_version, dest[key].data_ptr())
+            tensor = destinations[names[key]]
+            session.known[key] = (part_version, weakref.ref(tensor), tensor.data_ptr())
         session.version, session.base_clock = header.version, header.clock
         return header.version
 
@@ -255,7 +264,7 @@ class PSClient:
                 lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait),
                 self.options, session.client.address, "pull",
             )
-            return self._pulled(session, header, written, dest)
+            return self._pulled(session, header, written, destinations)
 
         return self._fan_out_waiting(one, sessions, may_wait)
 
@@ -337,7 +346,7 @@ class PSClient:
                 header, written = _retrying(
                     lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
                 )
-            self._pulled(session, header, written, dest)
+            self._pulled(session, header, written, destinations)
             return reply
 
         return self._fan_out_waiting(one, sessions, may_wait)

@@ -78,6 +78,23 @@ def test_pushes_and_pulls_move_on_lanes_exactly(shard):
         assert (st.pushes_applied, st.pushes_rejected) == (2, 0)
 
 
+def test_a_pull_skips_only_the_tensors_it_wrote_itself(shard):
+    """Skipping unchanged parts goes by the tensor pulled into, not by its address: a different
+    tensor at the same address (a view here; a new tensor in a freed one's memory in practice)
+    is written."""
+    with client_for(shard) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        client.pull(dest)
+        again = {k: v.view(v.shape) for k, v in dest.items()}
+        for tensor in again.values():
+            tensor.zero_()
+        client.pull(again)
+        assert same(again, INITIAL)
+        client.pull(again)  # unchanged since that pull: skipped, and still right
+        assert same(again, INITIAL)
+
+
 def test_compressed_pushes_and_pulls_on_lanes(shard):
     with client_for(shard, wire_dtype=torch.bfloat16) as client:
         assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
