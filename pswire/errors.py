@@ -3,6 +3,10 @@
     PSError
      +-- InvalidArgumentError   bad input: unknown variable, wrong dtype/shape/length, NaN/Inf
      +-- TooLargeError          a request beyond the shard's size limits
+     +-- OverloadedError        admission control turned the call away (too many calls or
+     |                          streams at once): retry with backoff
+     +-- UnauthenticatedError   no credentials, or credentials the shard does not accept
+     +-- PermissionDeniedError  credentials whose role may not make this call
      +-- PreconditionError      the job disagrees: mismatching model or settings
      |    +-- FencedError       this worker's registration is void (evicted, left, replaced by a
      |                          newer generation, or unknown to the shard): re-register
@@ -21,9 +25,12 @@ __all__ = [
     "FencedError",
     "InvalidArgumentError",
     "NotReadyError",
+    "OverloadedError",
+    "PermissionDeniedError",
     "PSError",
     "PreconditionError",
     "TooLargeError",
+    "UnauthenticatedError",
     "UnavailableError",
 ]
 
@@ -38,6 +45,19 @@ class InvalidArgumentError(PSError, ValueError):
 
 class TooLargeError(PSError):
     """The request exceeds a configured size limit; the shard's state is unchanged."""
+
+
+class OverloadedError(PSError):
+    """The shard turned the call away to protect itself (too many calls, streams or waiting
+    pulls at once); nothing changed, and a retry after a backoff may succeed."""
+
+
+class UnauthenticatedError(PSError):
+    """The call carried no credentials, or ones the shard does not accept (token, session)."""
+
+
+class PermissionDeniedError(PSError):
+    """The credentials are valid, but their role may not make this call."""
 
 
 class PreconditionError(PSError):

@@ -83,7 +83,7 @@ class ConsistencySettings(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., stale_policy: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_name", "shard_index", "num_shards", "placement_digest", "parts", "optimizer", "job_fingerprint", "consistency")
+    __slots__ = ("worker_name", "shard_index", "num_shards", "placement_digest", "parts", "optimizer", "job_fingerprint", "consistency", "session")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class RegisterRequest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     shard_index: int
     num_shards: int
@@ -100,10 +101,11 @@ class RegisterRequest(_message.Message):
     optimizer: OptimizerSettings
     job_fingerprint: str
     consistency: ConsistencySettings
-    def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds", "data", "bulk_port")
+    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds", "data", "bulk_port", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MUST_INITIALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class RegisterResponse(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     must_initialize: bool
@@ -122,7 +125,8 @@ class RegisterResponse(_message.Message):
     lease_seconds: float
     data: DataPosition
     bulk_port: int
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., bulk_port: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class DataPosition(_message.Message):
     __slots__ = ("step", "epoch", "position")
@@ -135,7 +139,7 @@ class DataPosition(_message.Message):
     def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock", "data", "wire_dtype")
+    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock", "data", "wire_dtype", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +149,7 @@ class TensorHeader(_message.Message):
     BASE_CLOCK_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     sequence: int
@@ -154,7 +159,8 @@ class TensorHeader(_message.Message):
     base_clock: int
     data: DataPosition
     wire_dtype: DType
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("part_index", "offset", "data")
@@ -213,12 +219,14 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., action: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("worker_id", "generation")
+    __slots__ = ("worker_id", "generation", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()
@@ -243,12 +251,14 @@ class CheckpointResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[int] = ..., path: _Optional[str] = ..., version: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "generation")
+    __slots__ = ("worker_id", "generation", "session")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_seconds",)
@@ -257,7 +267,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "generation", "known_versions", "clock", "wire_dtype", "bulk")
+    __slots__ = ("worker_id", "generation", "known_versions", "clock", "wire_dtype", "bulk", "session")
     class KnownVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -271,13 +281,15 @@ class PullRequest(_message.Message):
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     known_versions: _containers.ScalarMap[str, int]
     clock: int
     wire_dtype: DType
     bulk: BulkRef
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., known_versions: _Optional[_Mapping[str, int]] = ..., clock: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., known_versions: _Optional[_Mapping[str, int]] = ..., clock: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., bulk: _Optional[_Union[BulkRef, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class PulledPart(_message.Message):
     __slots__ = ("spec", "version", "included")
