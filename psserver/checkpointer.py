@@ -20,11 +20,32 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pswire.errors import NotReadyError, PreconditionError
+from pswire.errors import InvalidArgumentError, NotReadyError, PreconditionError
 from psserver.checkpoint import CheckpointError, CheckpointStore, ShardPart
 from psserver.store import ShardStore
 
-__all__ = ["Checkpointer", "Schedule", "parse_schedule"]
+__all__ = ["MAX_ID_AHEAD", "Checkpointer", "Schedule", "check_id", "parse_schedule"]
+
+MAX_ID_AHEAD = 300
+"""How far an on-demand checkpoint id may run ahead of the shard's wall clock in seconds (ids are
+seconds since the epoch by default): LATEST never moves back, and periodic checkpoints skip ids
+at or below the last one, so an id far in the future would pin LATEST and stop the schedule."""
+
+
+def check_id(checkpoint_id: int, last_id: int, now: float) -> None:
+    """Raises unless an on-demand ``checkpoint_id`` is above ``last_id`` (ids only increase) and
+    at most ``MAX_ID_AHEAD`` beyond ``max(last_id, now)``: ``InvalidArgumentError`` for an id
+    out of range, ``PreconditionError`` for one not above the last."""
+    limit = max(last_id, int(now)) + MAX_ID_AHEAD
+    if not 1 <= checkpoint_id <= limit:
+        raise InvalidArgumentError(
+            f"checkpoint id {checkpoint_id} is out of range: ids are 1..{limit} on this shard now (at most "
+            f"{MAX_ID_AHEAD}s ahead of its clock in seconds since the epoch, or of its last checkpoint)"
+        )
+    if checkpoint_id <= last_id:
+        raise PreconditionError(
+            f"checkpoint id {checkpoint_id} is not above this shard's last checkpoint {last_id}: ids only increase"
+        )
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +103,11 @@ class Checkpointer:
 
     def checkpoint(self, checkpoint_id: int) -> tuple[str, int, bool]:
         """Write this shard's part of checkpoint ``checkpoint_id``; returns ``(path, version,
-        complete)``. Raises ``NotReadyError`` before initialisation and ``CheckpointError``."""
-        if checkpoint_id < 1:
-            raise PreconditionError(f"checkpoint id must be >= 1, got {checkpoint_id}")
+        complete)``. Raises ``NotReadyError`` before initialisation, ``InvalidArgumentError`` or
+        ``PreconditionError`` for an id :func:`check_id` refuses, ``CheckpointError``, and
+        ``OSError`` when the directory cannot be written."""
         with self._lock:
+            check_id(checkpoint_id, self.last_id, self._now())
             return self._write(checkpoint_id, self._store.export())
 
     def _write(self, checkpoint_id: int, exported: tuple[int, dict, dict]) -> tuple[str, int, bool]:

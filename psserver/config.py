@@ -8,9 +8,13 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pswire.codec import DEFAULT_CHUNK_BYTES
 from pswire.flags import add_fields, parse
+
+if TYPE_CHECKING:
+    from psserver.auth import AdmissionCaps
 
 __all__ = ["ServerConfig", "parse_args"]
 
@@ -21,8 +25,17 @@ class ServerConfig:
     port: int = field(default=0, metadata={"help": 'TCP port; 0 picks a free one (it is logged and written to ``port_file``).'})
     bulk_port: int = field(default=0, metadata={"help": 'TCP port of the bulk lanes, which carry the bytes of large pushes and pulls beside gRPC (on --host; workers learn it when they register); 0 picks a free one, -1 turns lanes off (every byte goes through gRPC).'})
     port_file: str | None = field(default=None, metadata={"help": 'If set, the bound port is written here (atomically) once the shard serves.'})
-    threads: int = field(default=16, metadata={"help": 'gRPC handler threads; also the most RPCs served at once.'})
-    max_concurrent_rpcs: int = field(default=64, metadata={"help": 'RPCs admitted at once (beyond ``threads`` they queue); more get RESOURCE_EXHAUSTED.'})
+    threads: int = field(default=32, metadata={"help": 'gRPC handler threads; also the most RPCs served at once (see --max-data-calls for how they are shared).'})
+    max_concurrent_rpcs: int = field(default=256, metadata={"help": 'RPCs accepted at once, running or queued for a thread; more get RESOURCE_EXHAUSTED ("Concurrent RPC limit exceeded", which workers retry).'})
+    max_data_calls: int = field(default=0, metadata={"help": 'Data calls (Initialize, Push, PushInline, PushPull, Pull, PullInline, Checkpoint) served at once; beyond, a call is refused at once as RESOURCE_EXHAUSTED "overloaded: ..." and workers retry it after a backoff. 0: --threads minus 8, at least 2, so that stalled streams and waiting pulls always leave threads for heartbeats, registrations and health checks (Register, Heartbeat, Leave and health Check are never capped; Status and health Watch have caps of their own).'})
+    max_status_calls: int = field(default=2, metadata={"help": 'Status calls served at once; beyond, refused as overloaded like data calls. (Health Watch streams, open to all, are capped at 2.)'})
+    stream_idle_timeout: float = field(default=10.0, metadata={"help": 'Seconds a client stream (Push, Initialize) may go without sending before the shard cuts it and frees its thread; 0: never.'})
+    max_model_bytes: int = field(default=64 << 30, metadata={"help": 'Largest total of variable bytes a job may register on this shard.'})
+    max_workers: int = field(default=4096, metadata={"help": 'Worker names this shard remembers (live, departed and evicted); a new name beyond is refused.'})
+    tls_cert: str | None = field(default=None, metadata={"help": 'PEM certificate chain of this shard: serve gRPC and the bulk lanes over TLS (needs --tls-key). Clients verify it against their --tls-ca, and its subject alternative names must include the host they connect to.'})
+    tls_key: str | None = field(default=None, metadata={"help": 'PEM private key of --tls-cert.'})
+    tls_client_ca: str | None = field(default=None, metadata={"help": 'PEM bundle of the CA(s) whose client certificates this shard requires (mutual TLS; needs --tls-cert): a client without one is refused in the handshake.'})
+    auth_token_file: str | None = field(default=None, metadata={"help": 'Require a bearer token on every call but health checks (metadata "authorization: Bearer TOKEN"; clients use --token-file or PSGRPC_TOKEN). The file holds one "ROLE TOKEN" per line, blank lines and lines starting with # ignored; ROLE is reader (Status, Pull, PullInline: read the model), worker (a reader that may also Register, Initialize, Push, PushInline, PushPull, Heartbeat, Leave) or admin (everything, Checkpoint and every administrative call included); tokens are at least 16 printable ASCII characters, e.g. python -c "import secrets; print(secrets.token_urlsafe(32))". Keep it mode 600. No token: UNAUTHENTICATED; a role too low: PERMISSION_DENIED. Unset: no call is checked.'})
     max_request_bytes: int = field(default=8 << 30, metadata={"help": 'Largest push or initialisation accepted, in bytes.'})
     max_inflight_bytes: int = field(default=1 << 30, metadata={"help": "Bytes of pushes this shard holds received but not yet applied, across all workers; beyond, pushes wait with their bytes still in the network (one push alone is always admitted); 0: no bound."})
     chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, metadata={"help": 'Chunk size of pull streams.'})
@@ -61,6 +74,28 @@ class ServerConfig:
             raise ValueError(f"max_inflight_bytes must be >= 0, got {self.max_inflight_bytes}")
         if self.max_request_bytes < 1 or self.init_timeout <= 0 or self.grace < 0:
             raise ValueError("max_request_bytes and init_timeout must be > 0, grace >= 0")
+        if not 0 <= self.max_data_calls <= self.threads:
+            raise ValueError(f"max_data_calls must be in 0..threads ({self.threads}), got {self.max_data_calls}")
+        if not 1 <= self.max_status_calls <= self.threads:
+            raise ValueError(f"max_status_calls must be in 1..threads ({self.threads}), got {self.max_status_calls}")
+        if self.stream_idle_timeout < 0:
+            raise ValueError(f"stream_idle_timeout must be >= 0, got {self.stream_idle_timeout}")
+        if self.max_model_bytes < 1 or self.max_workers < 1:
+            raise ValueError("max_model_bytes and max_workers must be >= 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS with client certificates")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
+            if getattr(self, name) == "":
+                raise ValueError(f"--{name.replace('_', '-')} is empty: give a file")
+
+    def admission_caps(self) -> "AdmissionCaps":
+        """The calls of each class this shard serves at once (``psserver.auth``)."""
+        from psserver.auth import AdmissionCaps
+
+        return AdmissionCaps.for_threads(self.threads, max_data_calls=self.max_data_calls,
+                                         max_status_calls=self.max_status_calls)
 
 
 def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:

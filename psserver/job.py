@@ -12,7 +12,15 @@ from pswire.errors import InvalidArgumentError, PreconditionError
 from pswire.optim import OptimizerConfig
 from pswire.consistency import Consistency
 
-__all__ = ["Registration", "check_finite", "check_parts", "check_same_job", "fmt_bytes"]
+__all__ = ["MAX_COUNT", "Registration", "check_count", "check_finite", "check_parts", "check_same_job", "fmt_bytes"]
+
+MAX_COUNT = 1 << 53
+"""The largest clock, step, sequence, version or position a shard accepts: far beyond any job
+(a step per nanosecond for a century), and small enough that nothing derived from it (a clock
+plus one, a sum of counts) leaves protobuf's int64 or a float's exact integers."""
+
+MAX_DIMENSION = 1 << 40
+"""The largest dimension of a variable's shape."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,12 +37,36 @@ class Registration:
     consistency: Consistency = Consistency()
 
 
-def check_parts(parts: Sequence[Part]) -> None:
+def check_count(what: str, value: int) -> None:
+    """Raises ``InvalidArgumentError`` unless ``0 <= value <= MAX_COUNT``."""
+    if not 0 <= value <= MAX_COUNT:
+        raise InvalidArgumentError(f"{what} {value} is out of range (0..{MAX_COUNT})")
+
+
+def check_parts(parts: Sequence[Part], max_bytes: int = 1 << 62) -> None:
+    """Raises ``InvalidArgumentError`` for a registration that lists nothing, a variable twice,
+    an impossible shape, or more than ``max_bytes`` of variables for this shard."""
     if not parts:
         raise InvalidArgumentError("registration lists no variables for this shard")
     keys = [p.key for p in parts]
     if len(set(keys)) != len(keys):
         raise InvalidArgumentError("registration lists a variable twice")
+    total = 0
+    for part in parts:
+        if any(d > MAX_DIMENSION for d in part.full_shape) or len(part.full_shape) > 32:
+            raise InvalidArgumentError(
+                f"variable {part.name!r} has shape {list(part.full_shape)}: at most 32 dimensions of at most "
+                f"{MAX_DIMENSION} each"
+            )
+        whole = part.dtype.itemsize * int(np.prod(part.full_shape, dtype=object))
+        if whole > 1 << 62:
+            raise InvalidArgumentError(f"variable {part.name!r} of shape {list(part.full_shape)} is impossibly large")
+        total += part.nbytes
+    if total > max_bytes:
+        raise InvalidArgumentError(
+            f"registration puts {fmt_bytes(total)} of variables on this shard, above its limit of "
+            f"{fmt_bytes(max_bytes)} (--max-model-bytes)"
+        )
 
 
 _EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}

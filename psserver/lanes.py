@@ -1,6 +1,19 @@
-"""The shard's end of the bulk lanes (``pswire.lanes``): a listener on the bulk port, one reader
-thread per lane that stages pushed bytes into pooled buffers, and the send of a pull's bytes
-from the handler that serves it.
+"""The shard's end of the bulk lanes (``pswire.lanes``): a listener on the bulk port and one
+thread per lane, which authenticates it, stages the pushes it carries into pooled buffers, and
+sends the pulls handlers hand it.
+
+Anyone who reaches the bulk port may connect, so a lane earns every resource it holds:
+
+- it is refused at once beyond ``max_lanes`` open lanes, or ``max_handshakes_per_peer`` lanes of
+  one address still authenticating; it must then prove a live worker session
+  (``pswire.lanes.lane_proof``) within ``handshake_seconds``, and a session holds at most
+  ``max_lanes_per_owner`` lanes. Only the session that opened a lane may claim or send on it.
+- a push takes the in-flight budget piece by piece as its bytes arrive (its buffer is allocated
+  untouched), so a sender that announces 8 GiB and trickles holds about what it sent; and once a
+  frame has begun, each piece must arrive within ``stall_seconds`` or the lane is closed and all
+  it held is released. Idle lanes between frames stay (workers keep a few).
+- a lane's socket, TLS or not, is only ever used by its own thread: ``deliver`` queues the pull
+  and waits for that thread to send it.
 
 A staged push waits in a table keyed by ``(lane, token)`` until the ``PushInline`` naming it
 claims it; a lane holds at most one staged push (its worker makes one call at a time), and its
@@ -9,69 +22,165 @@ staged bytes are dropped when it closes, so staged memory is bounded by the open
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
+import select
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pswire import lanes as wire
-from pswire.errors import DeadlineError, InvalidArgumentError, PSError, TooLargeError, UnavailableError
-from psserver.buffers import BufferPool
 from pswire.dtypes import UINT8
-from psserver.inflight import InflightBudget
+from pswire.errors import (
+    DeadlineError, InvalidArgumentError, OverloadedError, PSError, TooLargeError, UnavailableError,
+)
+from psserver.buffers import BufferPool
+from psserver.inflight import InflightBudget, Transfer
 
-__all__ = ["LaneServer"]
+__all__ = ["LaneServer", "SessionSecret", "admission", "owner_admission"]
 
 log = logging.getLogger(__name__)
 
-IDLE_SECONDS = 60.0
-"""How long a lane may stall in the middle of a frame before it is closed (idle lanes stay)."""
+SessionSecret = Callable[[int, int], "bytes | None"]
+"""``(worker_id, generation) -> secret`` of that live session, or None when there is none."""
+
+PIECE_BYTES = 4 << 20
+"""A push's bytes are budgeted and deadlined in pieces of this size."""
+ROOM_SECONDS = 60.0
+"""How long a push may wait for room in the in-flight budget (its bytes wait in the socket)."""
 _REFUSALS_KEPT = 64
 """Refused pushes of closed lanes remembered for the calls that name them."""
 _FREE_PER_SIZE = 2
 """Receive buffers kept for reuse per byte count (see ``psserver.buffers``)."""
+_ABORT_SECONDS = 2.0
+"""How long a timed-out ``deliver`` waits for the lane's thread to drop its views once the lane
+is shut down (a send on a shut-down socket fails at once)."""
 
 
-@dataclass
+def admission(open_lanes: int, max_lanes: int, handshaking: int, max_handshakes: int) -> str | None:
+    """Why a new connection is refused (None: admitted), given the lanes open on the shard and
+    those of its address still authenticating."""
+    if open_lanes >= max_lanes:
+        return f"{open_lanes} lanes open already (limit {max_lanes})"
+    if handshaking >= max_handshakes:
+        return f"{handshaking} lanes of this address still authenticating (limit {max_handshakes})"
+    return None
+
+
+def owner_admission(owned: int, max_owned: int) -> str | None:
+    """Why an authenticated lane is refused (None: admitted), given the session's open lanes."""
+    if owned >= max_owned:
+        return f"its session holds {owned} lanes already (limit {max_owned})"
+    return None
+
+
+class _Refused(Exception):
+    """A lane that failed its handshake (the reason is logged in one line)."""
+
+
+@dataclass(eq=False)
+class _Delivery:
+    """A pull handed to a lane's thread. ``state`` (guarded by the lane's lock): queued, then
+    sending, then done; or dropped while queued."""
+
+    prefix: bytes
+    views: Sequence[memoryview]
+    deadline: float
+    state: str = "queued"
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
 class _Lane:
     lane_id: int
     sock: socket.socket
     peer: str
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    address: str
+    owner: tuple[int, int] | None = None
+    """``(worker_id, generation)`` once authenticated (guarded by ``LaneServer._lock``)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards ``sock`` (replaced by its TLS wrapper), ``closed``, ``outbox`` and the wake pair.
+    Taken after ``LaneServer._lock``, never before it."""
     closed: bool = False
+    outbox: deque[_Delivery] = field(default_factory=deque)
+    wake_r: socket.socket | None = None
+    wake_w: socket.socket | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Staged:
     buffer: np.ndarray | None
+    owner: tuple[int, int]
+    transfer: Transfer | None = None
     error: PSError | None = None
+    """A refusal (then no buffer), raised to the call that claims it."""
 
 
 class LaneServer:
-    """Accepts lanes on ``host:port`` (0: any free port; the bound one is ``.port``)."""
+    """Accepts lanes on ``host:port`` (0: any free port; the bound one is ``.port``).
+
+    ``session_secret(worker_id, generation)`` gives a live session's secret (None: no such
+    session); ``ssl_context`` (server side) wraps every lane in TLS. Raises ``ValueError`` for
+    a limit below 1 and ``RuntimeError`` if the port cannot be bound.
+    """
 
     def __init__(
-        self, host: str, port: int, *, max_bytes: int, budget: InflightBudget | None = None, max_lanes: int = 256
+        self,
+        host: str,
+        port: int,
+        *,
+        max_bytes: int,
+        session_secret: SessionSecret,
+        budget: InflightBudget | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        max_lanes: int = 256,
+        max_lanes_per_owner: int = 8,
+        max_handshakes_per_peer: int = 16,
+        handshake_seconds: float = 5.0,
+        stall_seconds: float = 10.0,
     ) -> None:
+        for name, value in [
+            ("max_lanes", max_lanes), ("max_lanes_per_owner", max_lanes_per_owner),
+            ("max_handshakes_per_peer", max_handshakes_per_peer),
+        ]:
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not (handshake_seconds > 0 and stall_seconds > 0):
+            raise ValueError(
+                f"handshake_seconds and stall_seconds must be > 0, got {handshake_seconds} and {stall_seconds}"
+            )
         try:
             self._listener = socket.create_server((host, port), backlog=64)
         except OSError as exc:
             raise RuntimeError(f"cannot bind the bulk port {host}:{port}: {exc}") from exc
         self.port: int = self._listener.getsockname()[1]
         self._max_bytes = max_bytes
+        self._session_secret = session_secret
         self._budget = budget or InflightBudget(0)
+        self._ssl_context = ssl_context
         self._max_lanes = max_lanes
+        self._max_per_owner = max_lanes_per_owner
+        self._max_handshakes = max_handshakes_per_peer
+        self._handshake_seconds = handshake_seconds
+        self._stall_seconds = stall_seconds
+        # Guards _lanes, _handshaking, _staged, _claimed, _stopped and every lane's owner.
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._lanes: dict[int, _Lane] = {}
+        self._handshaking: dict[str, int] = {}  # address -> its lanes not yet authenticated
         self._staged: dict[tuple[int, int], _Staged] = {}
+        self._claimed: dict[int, Transfer | None] = {}  # id(buffer) -> its budget, until given back
         self._buffers = BufferPool(keep=_FREE_PER_SIZE)
         self._stopped = False
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="psserver-lanes", daemon=True)
 
     def start(self) -> None:
@@ -81,168 +190,408 @@ class LaneServer:
         with self._lock:
             self._stopped = True
             lanes = list(self._lanes.values())
+        self._stopping.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
+        except OSError:
+            pass
         self._listener.close()
         for lane in lanes:
-            self._close(lane)
+            self._kill(lane)
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
 
     @property
     def open_lanes(self) -> int:
+        """Lanes open, authenticated or still authenticating."""
         with self._lock:
             return len(self._lanes)
 
     def give_back(self, buffer: np.ndarray) -> None:
-        """Return a staged push's buffer for reuse (its bytes leave the in-flight budget)."""
-        self._budget.release(buffer.size)
+        """Return a claimed push's buffer for reuse (its bytes leave the in-flight budget)."""
+        with self._lock:
+            transfer = self._claimed.pop(id(buffer), None)
+        if transfer is not None:
+            transfer.close()
         self._buffers.give(buffer)
 
-    # -- lanes -------------------------------------------------------------------------------
+    # -- accepting and authenticating --------------------------------------------------------
 
     def _accept(self) -> None:
         while True:
             try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                return  # stopped
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(IDLE_SECONDS)
-            lane = _Lane(secrets.randbits(63) or 1, sock, f"{peer[0]}:{peer[1]}")
+                sock, addr = self._listener.accept()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return
+                log.warning("bulk port: accept failed: %s", exc)  # out of descriptors, say
+                self._stopping.wait(0.1)
+                continue
             with self._lock:
-                refused = self._stopped or len(self._lanes) >= self._max_lanes
-                if not refused:
-                    self._lanes[lane.lane_id] = lane
-            if refused:
-                log.warning("bulk lane from %s refused: %d lanes open already", lane.peer, self._max_lanes)
+                while True:
+                    lane_id = secrets.randbits(63)
+                    if lane_id and lane_id not in self._lanes:
+                        break
+                lane = _Lane(lane_id, sock, f"{addr[0]}:{addr[1]}", addr[0])
+                reason = "the shard is stopping" if self._stopped else admission(
+                    len(self._lanes), self._max_lanes, self._handshaking.get(lane.address, 0), self._max_handshakes
+                )
+                if reason is None:
+                    self._lanes[lane_id] = lane
+                    self._handshaking[lane.address] = self._handshaking.get(lane.address, 0) + 1
+            if reason is not None:
+                log.warning("bulk lane from %s refused: %s", lane.peer, reason)
                 sock.close()
                 continue
-            threading.Thread(target=self._serve, args=(lane,), name="psserver-lane", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(lane,), name="psserver-lane", daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had
+                log.warning("bulk lane from %s refused: %s", lane.peer, exc)
+                self._retire(lane)
 
     def _serve(self, lane: _Lane) -> None:
-        sock = lane.sock
-        header = memoryview(bytearray(wire.PUSH.size))
         try:
-            with lane.send_lock:
-                sock.sendall(wire.GREETING.pack(wire.GREETING_TAG, lane.lane_id))
-            while self._read_frame_header(sock, header):
-                tag, token, nbytes = wire.PUSH.unpack(header)
-                if tag != wire.PUSH_TAG:
-                    raise wire.LaneError(f"expected a push frame, got {bytes(tag)!r}")
-                if nbytes > self._max_bytes:
-                    self._stage(lane, token, _Staged(None, TooLargeError(
-                        f"bulk push of {nbytes} bytes is above this shard's limit of {self._max_bytes}")))
-                    return
-                # Wait for room before reading: meanwhile the bytes stay in the worker's socket.
-                if not self._budget.acquire(nbytes, IDLE_SECONDS):
-                    raise wire.LaneError(
-                        f"no room for a push of {nbytes} bytes in {IDLE_SECONDS:.0f}s: "
-                        f"{self._budget.held} bytes of pushes in flight (limit {self._budget.limit})"
-                    )
-                buffer = self._buffers.take((nbytes,), UINT8)
-                try:
-                    wire.recv_into(sock, memoryview(buffer))
-                except BaseException:
-                    self.give_back(buffer)
-                    raise
-                self._stage(lane, token, _Staged(buffer))
+            try:
+                self._handshake(lane)
+            except (OSError, wire.LaneError, _Refused) as exc:
+                log.warning("bulk lane from %s refused: %s", lane.peer, exc)
+                return
+            self._run(lane)
         except (OSError, wire.LaneError) as exc:
             if not lane.closed:
                 log.info("bulk lane from %s closed: %s", lane.peer, exc)
+        except Exception:
+            log.exception("bulk lane from %s failed", lane.peer)
         finally:
-            self._close(lane)
+            self._retire(lane)
 
-    @staticmethod
-    def _read_frame_header(sock: socket.socket, view: memoryview) -> bool:
-        """Read one frame header; False when the peer closed the lane between frames. An idle
-        lane waits indefinitely; one that stalls inside a frame is dropped."""
-        got = 0
-        while got < len(view):
+    def _handshake(self, lane: _Lane) -> None:
+        """TLS (if any), greeting, proof of a live session and its lane limit, all within
+        ``handshake_seconds``. Raises ``_Refused``, ``OSError`` or ``LaneError``."""
+        deadline = time.monotonic() + self._handshake_seconds
+
+        def remaining() -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Refused(f"no authentication within {self._handshake_seconds:g}s")
+            return left
+
+        sock = lane.sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if self._ssl_context is not None:
+            with lane.lock:
+                if lane.closed:
+                    raise wire.LaneError("closed")
+                lane.sock = sock = self._ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            sock.settimeout(remaining())
             try:
-                n = sock.recv_into(view[got:])
+                sock.do_handshake()
             except TimeoutError:
-                if got == 0:
-                    continue
+                raise _Refused(f"no TLS handshake within {self._handshake_seconds:g}s") from None
+            except OSError as exc:
+                raise _Refused(f"TLS handshake failed: {exc}") from None
+        nonce = secrets.token_bytes(wire.NONCE_BYTES)
+        sock.settimeout(remaining())
+        sock.sendall(wire.GREETING.pack(wire.GREETING_TAG, lane.lane_id, nonce))
+        try:
+            raw = wire.recv_exactly(sock, wire.AUTH.size, deadline)
+        except TimeoutError:
+            raise _Refused(f"no authentication within {self._handshake_seconds:g}s") from None
+        except wire.LaneError:
+            raise _Refused("closed before authenticating") from None
+        tag, worker_id, generation, proof = wire.AUTH.unpack(raw)
+        if tag != wire.AUTH_TAG:
+            raise _Refused(f"expected an authentication, got {tag!r}")
+        secret = self._session_secret(worker_id, generation)
+        if secret is None:
+            raise _Refused(f"no live session {worker_id}/{generation}")
+        if not hmac.compare_digest(proof, wire.lane_proof(secret, lane.lane_id, nonce)):
+            raise _Refused(f"wrong proof for session {worker_id}/{generation}")
+        owner = (worker_id, generation)
+        with self._lock:
+            reason = owner_admission(sum(1 for x in self._lanes.values() if x.owner == owner), self._max_per_owner)
+            if reason is None:
+                lane.owner = owner
+                self._left_handshake(lane.address)
+        if reason is not None:
+            raise _Refused(f"session {worker_id}/{generation}: {reason}")
+        with lane.lock:
+            if lane.closed:
+                raise wire.LaneError("closed")
+            lane.wake_r, lane.wake_w = socket.socketpair()
+            lane.wake_r.setblocking(False)
+            lane.wake_w.setblocking(False)
+        sock.settimeout(remaining())
+        sock.sendall(wire.ACCEPT_TAG)
+
+    def _left_handshake(self, address: str) -> None:
+        # Caller holds _lock.
+        count = self._handshaking.pop(address, 0) - 1
+        if count > 0:
+            self._handshaking[address] = count
+
+    # -- an authenticated lane ---------------------------------------------------------------
+
+    def _run(self, lane: _Lane) -> None:
+        """Serve frames and deliveries until the lane closes: wait for whichever comes first,
+        so that the socket is only ever used by this thread."""
+        sock = lane.sock
+        assert lane.wake_r is not None
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(lane.wake_r.fileno(), select.POLLIN)
+        header = memoryview(bytearray(wire.PUSH.size))
+        while True:
+            self._send_queued(lane)
+            if isinstance(sock, ssl.SSLSocket) and sock.pending():
+                readable = True  # decrypted bytes that poll() cannot see
+            else:
+                readable = False
+                for fd, _ in poller.poll():
+                    if fd == sock.fileno():
+                        readable = True
+                    else:
+                        _drain(lane.wake_r)
+            if readable and not self._read_frame(lane, header):
+                return
+
+    def _read_frame(self, lane: _Lane, header: memoryview) -> bool:
+        """Read one push; False when the lane is to close (the peer closed it between frames, or
+        a refusal was staged). Raises ``LaneError`` when it breaks or stalls."""
+        sock, owner = lane.sock, lane.owner
+        assert owner is not None
+        sock.settimeout(self._stall_seconds)
+        try:
+            got = sock.recv_into(header)
+        except TimeoutError:
+            return True  # a TLS record with no data for us: idle again
+        if got == 0:
+            return False
+        try:
+            wire.recv_into(sock, header[got:], time.monotonic() + self._stall_seconds)
+            tag, token, nbytes = wire.PUSH.unpack(header)
+            if tag != wire.PUSH_TAG:
+                raise wire.LaneError(f"expected a push frame, got {bytes(tag)!r}")
+            if self._session_secret(*owner) is None:
+                raise wire.LaneError(f"session {owner[0]}/{owner[1]} ended")
+            if nbytes > self._max_bytes:
+                self._stage(lane, token, _Staged(None, owner, error=TooLargeError(
+                    f"bulk push of {nbytes} bytes is above this shard's limit of {self._max_bytes}")))
+                return False
+            staged = self._receive(lane, nbytes)
+        except TimeoutError:
+            raise wire.LaneError(f"stalled inside a frame for {self._stall_seconds:g}s") from None
+        self._stage(lane, token, staged)
+        return staged.error is None
+
+    def _receive(self, lane: _Lane, nbytes: int) -> _Staged:
+        """A push's bytes, each piece budgeted just before it is read."""
+        assert lane.owner is not None
+        transfer = self._budget.transfer()
+        try:
+            try:
+                buffer = self._buffers.take((nbytes,), UINT8)  # not filled ahead of its bytes
+            except MemoryError:
+                transfer.close()
+                return _Staged(None, lane.owner, error=OverloadedError(
+                    f"no memory for a bulk push of {nbytes} bytes: retry later"))
+            view = memoryview(buffer)
+            for offset in range(0, nbytes, PIECE_BYTES):
+                piece = view[offset : offset + PIECE_BYTES]
+                self._make_room(lane, transfer, len(piece))
+                wire.recv_into(lane.sock, piece, time.monotonic() + self._stall_seconds)
+        except BaseException:
+            transfer.close()  # the partial buffer is dropped, not pooled
+            raise
+        return _Staged(buffer, lane.owner, transfer)
+
+    def _make_room(self, lane: _Lane, transfer: Transfer, nbytes: int) -> None:
+        deadline = time.monotonic() + ROOM_SECONDS
+        while not transfer.acquire(nbytes, min(0.5, max(deadline - time.monotonic(), 0.0))):
+            if lane.closed:
+                raise wire.LaneError("closed")
+            if time.monotonic() >= deadline:
+                raise wire.LaneError(
+                    f"no room for {nbytes} more bytes in {ROOM_SECONDS:.0f}s: {self._budget.held} bytes of "
+                    f"pushes in flight (limit {self._budget.limit})"
+                )
+
+    def _send_queued(self, lane: _Lane) -> None:
+        while True:
+            with lane.lock:
+                if not lane.outbox:
+                    return
+                job = lane.outbox.popleft()
+                job.state = "sending"
+            try:
+                remaining = job.deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("its call's deadline passed before the lane was free")
+                lane.sock.settimeout(remaining)
+                wire.send_views(lane.sock, job.prefix, job.views)
+            except BaseException as exc:
+                job.error = exc
                 raise
-            if n == 0:
-                if got == 0:
-                    return False
-                raise wire.LaneError("lane closed inside a frame header")
-            got += n
-        return True
+            finally:
+                job.views = ()
+                with lane.lock:
+                    job.state = "done"
+                job.done.set()
 
     def _stage(self, lane: _Lane, token: int, staged: _Staged) -> None:
-        dropped = []
         with self._arrived:
             # One call at a time per lane: a push staged earlier on it was never claimed.
-            for key in [k for k in self._staged if k[0] == lane.lane_id]:
-                dropped.append(self._staged.pop(key))
+            dropped = [self._staged.pop(k) for k in [k for k in self._staged if k[0] == lane.lane_id]]
             self._staged[(lane.lane_id, token)] = staged
             self._arrived.notify_all()
         for old in dropped:
-            if old.buffer is not None:
-                self.give_back(old.buffer)
+            self._drop(old)
 
-    def _close(self, lane: _Lane) -> None:
-        dropped = []
-        with self._arrived:
+    @staticmethod
+    def _drop(staged: _Staged) -> None:
+        # Not pooled: only the byte counts of pushes a call claimed are worth keeping buffers
+        # for (the pool keeps some per count, and a peer can stage any count it likes).
+        if staged.transfer is not None:
+            staged.transfer.close()
+
+    def _kill(self, lane: _Lane) -> None:
+        """Shut ``lane`` down from any thread: its own thread wakes, fails, and retires it."""
+        with lane.lock:
             lane.closed = True
+            try:
+                # The plain socket's shutdown, also under TLS: it touches no TLS state (which
+                # belongs to the lane's thread), and that thread's next read or write fails.
+                socket.socket.shutdown(lane.sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+            _wake(lane)
+
+    def _retire(self, lane: _Lane) -> None:
+        """Forget a lane and free all it held (its own thread, at the end)."""
+        with self._arrived:
             self._lanes.pop(lane.lane_id, None)
+            if lane.owner is None:
+                self._left_handshake(lane.address)
             # Staged bytes go; a refusal stays for the call that will ask (a few, oldest dropped).
-            for key in [k for k in self._staged if k[0] == lane.lane_id]:
-                if self._staged[key].error is None:
-                    dropped.append(self._staged.pop(key))
+            dropped = [
+                self._staged.pop(k) for k, v in list(self._staged.items())
+                if k[0] == lane.lane_id and v.error is None
+            ]
             refusals = [k for k, v in self._staged.items() if v.error is not None]
             for key in refusals[: max(0, len(refusals) - _REFUSALS_KEPT)]:
                 del self._staged[key]
             self._arrived.notify_all()
+        with lane.lock:
+            lane.closed = True
+            queued, lane.outbox = list(lane.outbox), deque()
+            for job in queued:
+                job.state = "dropped"
+            try:
+                socket.socket.shutdown(lane.sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+            lane.sock.close()
+            for end in (lane.wake_r, lane.wake_w):
+                if end is not None:
+                    end.close()
+        for job in queued:
+            job.error = wire.LaneError("the lane closed")
+            job.done.set()
         for old in dropped:
-            if old.buffer is not None:
-                self.give_back(old.buffer)
-        try:
-            lane.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        lane.sock.close()
+            self._drop(old)
 
     # -- calls -------------------------------------------------------------------------------
 
-    def claim(self, lane_id: int, token: int, nbytes: int, timeout: float) -> np.ndarray:
-        """The bytes staged as ``token`` on lane ``lane_id``, as a flat uint8 array of
-        ``nbytes`` (``give_back`` it once applied), waiting up to ``timeout`` for them to arrive.
-        Raises ``UnavailableError`` (the lane closed: retry on a new one), ``DeadlineError``,
-        ``TooLargeError`` or ``InvalidArgumentError`` (the call names another byte count)."""
+    def _owned(self, lane_id: int, owner: tuple[int, int]) -> _Lane:
+        # Caller holds _lock.
+        lane = self._lanes.get(lane_id)
+        if lane is None or lane.closed:
+            raise UnavailableError(f"bulk lane {lane_id} is not open on this shard (it closed): retry")
+        if lane.owner != owner:
+            raise InvalidArgumentError(f"bulk lane {lane_id} does not belong to this session")
+        return lane
+
+    def claim(self, lane_id: int, token: int, nbytes: int, timeout: float, *, owner: tuple[int, int]) -> np.ndarray:
+        """The bytes staged as ``token`` on lane ``lane_id`` by session ``owner``
+        (``(worker_id, generation)``), as a flat uint8 array of ``nbytes`` (``give_back`` it once
+        applied), waiting up to ``timeout`` for them to arrive. Raises ``UnavailableError`` (the
+        lane closed: retry on a new one), ``DeadlineError``, ``TooLargeError``,
+        ``OverloadedError`` or ``InvalidArgumentError`` (another session's lane, or the call
+        names another byte count)."""
         deadline = time.monotonic() + timeout
+        key = (lane_id, token)
         with self._arrived:
-            while (lane_id, token) not in self._staged:
-                if lane_id not in self._lanes:
-                    raise UnavailableError(f"bulk lane {lane_id} is not open on this shard (it closed): retry")
+            while (staged := self._staged.get(key)) is None:
+                self._owned(lane_id, owner)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineError(f"the bytes of push {token} on bulk lane {lane_id} did not arrive in time")
                 self._arrived.wait(remaining)
-            staged = self._staged.pop((lane_id, token))
+            if staged.owner != owner:
+                raise InvalidArgumentError(f"bulk lane {lane_id} does not belong to this session")
+            del self._staged[key]
+            if staged.error is None and staged.buffer is not None and staged.buffer.size == nbytes:
+                self._claimed[id(staged.buffer)] = staged.transfer
+                return staged.buffer
         if staged.error is not None:
             raise staged.error
-        assert staged.buffer is not None
-        if staged.buffer.size != nbytes:
-            self.give_back(staged.buffer)
-            raise InvalidArgumentError(f"bulk push staged {staged.buffer.size} bytes, but its call names {nbytes}")
-        return staged.buffer
+        self._drop(staged)
+        raise InvalidArgumentError(f"bulk push staged {staged.buffer.size} bytes, but its call names {nbytes}")
 
-    def deliver(self, lane_id: int, token: int, header: bytes, views: Sequence[memoryview], timeout: float) -> None:
-        """Send a pull's header and bytes on lane ``lane_id`` within ``timeout`` seconds.
-        Raises ``UnavailableError`` if the lane is not open or breaks (it is then closed)."""
+    def deliver(
+        self, lane_id: int, token: int, header: bytes, views: Sequence[memoryview], timeout: float,
+        *, owner: tuple[int, int],
+    ) -> None:
+        """Send a pull's header and bytes on lane ``lane_id`` of session ``owner`` within
+        ``timeout`` seconds (the lane's thread sends them; this waits). Raises
+        ``InvalidArgumentError`` for another session's lane, ``UnavailableError`` if the lane is
+        not open, breaks or does not send in time (it is then closed)."""
         with self._lock:
-            lane = self._lanes.get(lane_id)
-        if lane is None:
-            raise UnavailableError(f"bulk lane {lane_id} is not open on this shard (it closed): retry")
+            lane = self._owned(lane_id, owner)
         nbytes = sum(len(v) for v in views)
+        job = _Delivery(
+            wire.PULL.pack(wire.PULL_TAG, token, len(header), nbytes) + header, views, time.monotonic() + timeout
+        )
+        with lane.lock:
+            if lane.closed:
+                raise UnavailableError(f"bulk lane {lane_id} is not open on this shard (it closed): retry")
+            lane.outbox.append(job)
+            _wake(lane)
+        if not job.done.wait(max(timeout, 0.0)):
+            with lane.lock:
+                state = job.state
+                if state == "queued":
+                    lane.outbox.remove(job)
+                    job.state = "dropped"
+            if state != "done":
+                self._kill(lane)
+                if state == "sending":
+                    job.done.wait(_ABORT_SECONDS)  # the handler's views stay untouched once this returns
+                raise UnavailableError(
+                    f"bulk lane {lane_id} did not send a pull of {nbytes} bytes within {timeout:.1f}s: closed"
+                )
+            job.done.wait(_ABORT_SECONDS)  # sent just now: its thread is setting the event
+        if isinstance(job.error, TimeoutError):
+            raise UnavailableError(
+                f"bulk lane {lane_id} did not send a pull of {nbytes} bytes within {timeout:.1f}s: closed"
+            ) from job.error
+        if job.error is not None:
+            raise UnavailableError(f"bulk lane {lane_id} broke while sending a pull: {job.error}") from job.error
+
+
+def _wake(lane: _Lane) -> None:
+    # Caller holds lane.lock (the wake pair closes under it).
+    if lane.wake_w is not None:
         try:
-            with lane.send_lock:
-                writer = lane.sock.dup()  # its own timeout; the reader thread keeps the idle one
-                try:
-                    writer.settimeout(max(timeout, 0.001))
-                    wire.send_views(writer, wire.PULL.pack(wire.PULL_TAG, token, len(header), nbytes) + header, views)
-                finally:
-                    writer.close()
-        except OSError as exc:
-            self._close(lane)
-            raise UnavailableError(f"bulk lane {lane_id} broke while sending a pull: {exc}") from exc
+            lane.wake_w.send(b"\0")
+        except OSError:  # full (a wake is pending anyway) or closed
+            pass
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass

@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         shard = create_server(config)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # cannot bind or restore; a TLS or token file is unusable
         logging.getLogger("psserver").error("%s", exc)
         return 1
     stop = threading.Event()

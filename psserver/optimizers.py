@@ -19,14 +19,20 @@ Optimizer state is a flat ``dict[str, numpy.ndarray]`` with stable names (``step
 ``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``sum``) and contiguous
 arrays only, so a shard can checkpoint it as safetensors without conversion.
 
+:meth:`UpdateRule.verify` tells, changing nothing, whether :meth:`UpdateRule.apply` with the
+same arguments would leave the parameter and its state finite, so that a shard can refuse a push
+of several parts whole before applying any of them.
+
 This module imports no gRPC: the transport hands it arrays and takes its errors.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import math
-from typing import ClassVar
+from collections.abc import Callable, Iterator
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -48,6 +54,100 @@ def _is_float(dtype: np.dtype) -> bool:
         return dtype_of(dtype).is_floating_point
     except InvalidArgumentError:
         return False
+
+
+def _flat_slicer(a: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    """``(start, stop) -> a.reshape(-1)[start:stop]``: a view of a C-contiguous array; for any other
+    layout a copy of that slice alone, never of the whole array."""
+    if a.flags.c_contiguous:
+        flat = a.reshape(-1)
+        return lambda start, stop: flat[start:stop]
+    return lambda start, stop: a.flat[start:stop]
+
+
+_BIT_VIEWS = {2: (np.int16, np.uint16), 4: (np.int32, np.uint32), 8: (np.int64, np.uint64)}
+
+
+class _Format(NamedTuple):
+    """What the overflow screen needs to know about one floating-point storage dtype."""
+
+    limit: float
+    """The largest finite value."""
+    grow: float
+    """1 + 8u (u the unit roundoff): covers the relative error of one operation rounded to the
+    dtype, of one rounded first to float32 and then to the dtype, and of the screen's own float64
+    arithmetic."""
+    tiny: float
+    """The smallest subnormal: covers the absolute error of a result rounded in the subnormal range."""
+    inf_bits: int
+    """The bit pattern of +inf: every magnitude at or above it is an infinity or a NaN."""
+
+
+def _from_bits(bits: int, dtype: np.dtype) -> float:
+    return float(np.array(bits, dtype=_BIT_VIEWS[dtype.itemsize][1]).view(dtype))
+
+
+@functools.cache
+def _format(dtype: np.dtype) -> _Format:
+    unsigned = _BIT_VIEWS[dtype.itemsize][1]
+    inf_bits = int(np.array(np.inf, dtype=dtype).view(unsigned))
+    one_bits = int(np.array(1.0, dtype=dtype).view(unsigned))
+    ulp_of_one = _from_bits(one_bits + 1, dtype) - 1.0  # 2u
+    return _Format(_from_bits(inf_bits - 1, dtype), 1 + 4 * ulp_of_one, _from_bits(1, dtype), inf_bits)
+
+
+def _largest_magnitude(a: np.ndarray, chunk: int) -> tuple[float | None, bool]:
+    """The largest ``|x|`` over ``a``'s elements (None if one is infinite or NaN), and whether an
+    element is negative (below -0.0).
+
+    Read from the bits with two integer reductions, which numpy vectorizes for every width (its
+    float16 and ml_dtypes' bfloat16 reductions are scalar loops) and which need no temporary: IEEE
+    formats order magnitudes as unsigned integers once the sign bit is cleared, so the signed
+    view's maximum is the largest magnitude among elements with the sign bit clear and the
+    unsigned view's among those with it set. A C-contiguous array is read a slice at a time so
+    that the second reduction finds the slice in cache.
+    """
+    signed, unsigned = _BIT_VIEWS[a.itemsize]
+    as_signed, as_unsigned = a.view(signed), a.view(unsigned)
+    if a.flags.c_contiguous:
+        as_signed, as_unsigned = as_signed.reshape(-1), as_unsigned.reshape(-1)
+        spans = [(start, start + chunk) for start in range(0, a.size, chunk)]
+    else:
+        spans = [(None, None)]  # a reduction over a strided array copies nothing
+    top_signed = top_unsigned = 0
+    for start, stop in spans:
+        top_signed = max(top_signed, int(as_signed[start:stop].max()))
+        top_unsigned = max(top_unsigned, int(as_unsigned[start:stop].max()))
+    sign = 1 << (8 * a.itemsize - 1)
+    negative = top_unsigned - sign if top_unsigned >= sign else 0
+    top = max(top_signed, negative)
+    return (None if top >= _format(a.dtype).inf_bits else _from_bits(top, a.dtype)), negative > 0
+
+
+class _Bounds:
+    """Upper bounds on the magnitudes a rule's arithmetic produces, from bounds on its operands.
+
+    ``up(x)`` takes the exact result of an operation applied to bounds of its operands' magnitudes
+    (evaluated in float64) and returns a bound of the magnitude the rule's rounded operation
+    gives; it notes when that bound exceeds the storage dtype's largest finite value.
+
+    Why a bound holds: for ``|a| <= A`` and ``|b| <= B``, ``|a + b|`` and ``|a - b|`` are at most
+    ``A + B``, ``|a * b| = |a| |b| <= A B``, and ``|a / b| <= A / D`` when ``|b| >= D > 0``;
+    rounding to nearest then adds at most a relative ``u`` (twice for a 16-bit result computed in
+    float32) or, below the normal range, half the smallest subnormal. ``grow`` and ``tiny`` cover
+    those, and the float64 rounding of the bound itself, with room to spare.
+    """
+
+    def __init__(self, storage: np.dtype) -> None:
+        self._format = _format(storage)
+        self.ok = True
+        """False once a bound exceeded the largest finite value (or was NaN)."""
+
+    def up(self, exact: float) -> float:
+        bound = exact * self._format.grow + self._format.tiny
+        if not bound <= self._format.limit:
+            self.ok = False
+        return bound
 
 
 class _Rounding:
@@ -117,19 +217,77 @@ class UpdateRule(abc.ABC):
         """Apply one step to ``param`` and ``state`` in place, with learning rate ``lr * lr_scale``.
 
         ``grad`` is only read, never written, so it may be a view of a reused receive buffer.
-        ``lr_scale=1.0`` is ``torch.optim``'s step.
+        ``lr_scale=1.0`` is ``torch.optim``'s step. Values may overflow to infinities, as in
+        torch; :meth:`verify` first to refuse such an update.
 
         Raises ``ValueError`` if ``grad`` does not match ``param`` in shape or dtype, if
         ``param`` is not C-contiguous, if ``state`` lacks a buffer this rule needs or holds one
         of another shape or dtype, or if ``lr_scale`` is not finite and > 0; nothing has
         changed then.
         """
+        names, lr = self._check_arguments(param, grad, state, lr_scale, writing=True)
+        state["step"][...] += 1
+        step = int(state["step"])
+        rounding = _Rounding(param.dtype)
+        with np.errstate(all="ignore"):  # as in torch, an overflow gives Inf without a warning
+            for _ in self._slices(param, grad, state, names, lr, step, rounding, in_place=True):
+                pass
+
+    def verify(
+        self,
+        param: np.ndarray,
+        grad: np.ndarray,
+        state: dict[str, np.ndarray],
+        *,
+        lr_scale: float = 1.0,
+    ) -> None:
+        """Check, changing nothing, that :meth:`apply` with the same arguments would leave
+        ``param`` and every state buffer finite (no NaN, no infinity).
+
+        Exact: it passes if and only if that ``apply`` would give finite values only, for it
+        either proves overflow impossible from the largest magnitudes of the operands (no copy,
+        a few integer reductions) or, when it cannot, runs the rule's own arithmetic on copies of
+        one slice at a time (one slice of scratch per buffer). A parameter or state already
+        non-finite fails, as ``apply`` would leave it so. ``param`` is only read, so it may be
+        read-only or non-contiguous. Parameters that are not floating point are not checked.
+
+        Raises ``InvalidArgumentError`` naming the parameter and the state buffers that would
+        become non-finite, and how many elements of each; ``ValueError`` for the arguments that
+        ``apply`` refuses (a read-only or non-contiguous ``param`` excepted); nothing has
+        changed either way.
+        """
+        names, lr = self._check_arguments(param, grad, state, lr_scale, writing=False)
+        if param.size == 0 or not _is_float(param.dtype):
+            return
+        after = state["step"].copy()  # the very arithmetic of apply's count, on a copy
+        after[...] += 1
+        step = int(after)
+        rounding = _Rounding(param.dtype)
+        with np.errstate(all="ignore"):
+            if self._provably_finite(param, grad, state, names, lr, step, rounding):
+                return
+            bad = [0] * (1 + len(names))
+            for work in self._slices(param, grad, state, names, lr, step, rounding, in_place=False):
+                for i, values in enumerate(work):
+                    finite = np.isfinite(values)
+                    if not finite.all():
+                        bad[i] += values.size - int(np.count_nonzero(finite))
+        if any(bad):
+            what = ["the parameter", *(f"state {key!r}" for key in names)]
+            raise InvalidArgumentError(
+                "the update would make "
+                + ", ".join(f"{w} non-finite ({n} element{'s' * (n > 1)})" for w, n in zip(what, bad) if n)
+            )
+
+    def _check_arguments(self, param, grad, state, lr_scale, *, writing) -> tuple[list[str], float]:
+        """The names of the state buffers to update and the learning rate, once the arguments
+        are valid (raises ``ValueError`` otherwise); ``writing``: ``param`` too must be."""
         if grad.shape != param.shape or grad.dtype != param.dtype:
             # Without this check a (1, n) gradient would silently broadcast over an (m, n) param.
             raise ValueError(
                 f"gradient {grad.dtype}{list(grad.shape)} does not match parameter {param.dtype}{list(param.shape)}"
             )
-        if not (param.flags.c_contiguous and param.flags.writeable):
+        if writing and not (param.flags.c_contiguous and param.flags.writeable):
             raise ValueError("parameter must be a writable C-contiguous array")
         missing = [key for key in self.state_names if key not in state]
         if missing:
@@ -144,27 +302,54 @@ class UpdateRule(abc.ABC):
         if not (math.isfinite(lr_scale) and lr_scale > 0):
             raise ValueError(f"lr_scale must be finite and > 0, got {lr_scale}")
         # Multiplying by exactly 1.0 leaves lr unchanged.
-        lr = self.config.lr * lr_scale
-        state["step"][...] += 1
-        step = int(state["step"])
-        rounding = _Rounding(param.dtype)
-        with np.errstate(all="ignore"):  # as in torch, an overflow gives Inf without a warning
-            self._slices(param, grad, state, names, lr, step, rounding)
+        return names, self.config.lr * lr_scale
 
-    def _slices(self, param, grad, state, names, lr, step, rounding) -> None:
-        flat = [a.reshape(-1) for a in (param, grad, *(state[key] for key in names))]
+    def _slices(self, param, grad, state, names, lr, step, rounding, *, in_place) -> Iterator[list[np.ndarray]]:
+        """Update slice by slice; yield each slice's new values of ``param`` and of the buffers
+        in ``names``, in that order. ``in_place``: written to the arrays; otherwise computed on
+        copies of the slice (scratch reused across slices) and the arrays left untouched."""
         chunk = self.chunk_elements
+        slicers = [_flat_slicer(a) for a in (param, grad, *(state[key] for key in names))]
+        scratch = []
+        if not (in_place or rounding.needed):
+            # One block rather than one array per buffer: separate slice-sized arrays left glibc's
+            # heap trimmed and faulted in again on every slice (Adam's pass on copies took 4x
+            # apply's time; one block, 1.3x).
+            scratch = list(np.empty((1 + len(names), min(chunk, param.size)), dtype=param.dtype))
         for start in range(0, param.size, chunk):
-            p, g, *rest = (a[start:start + chunk] for a in flat)
+            p, g, *rest = (slicer(start, start + chunk) for slicer in slicers)
             if rounding.needed:
                 # Work on float32 copies of the slice; each result is rounded as it is made, so
                 # writing them back is exact.
                 work = [x.astype(_FLOAT32) for x in (p, *rest)]
-                self._update(work[0], g.astype(_FLOAT32), dict(zip(names, work[1:])), lr, step, rounding)
+                g = g.astype(_FLOAT32)
+            elif in_place:
+                work = [p, *rest]
+            else:
+                work = [buf[:p.size] for buf in scratch]
+                for dst, src in zip(work, (p, *rest)):
+                    dst[...] = src
+            self._update(work[0], g, dict(zip(names, work[1:])), lr, step, rounding)
+            if in_place and rounding.needed:
                 for dst, src in zip((p, *rest), work):
                     dst[...] = src
-            else:
-                self._update(p, g, dict(zip(names, rest)), lr, step, rounding)
+            yield work
+
+    _nonnegative: ClassVar[tuple[str, ...]] = ()
+    """State buffers whose square root the rule takes: the screen needs them >= 0."""
+
+    def _provably_finite(self, param, grad, state, names, lr, step, rounding) -> bool:
+        """True only if the update cannot give a non-finite value, judged from the largest
+        magnitude of each operand; False when that does not settle it (exactness is then for
+        :meth:`_slices` on copies)."""
+        largest = {}
+        for key, array in (("param", param), ("grad", grad), *((key, state[key]) for key in names)):
+            magnitude, negative = _largest_magnitude(array, self.chunk_elements)
+            if magnitude is None or (negative and key in self._nonnegative):
+                return False  # a NaN or infinity already, or a square root of a negative
+            largest[key] = magnitude
+        bounds = _Bounds(param.dtype)
+        return self._bound_update(largest, lr, step, rounding, bounds) and bounds.ok
 
     @abc.abstractmethod
     def _init_buffers(self, param: np.ndarray) -> dict[str, np.ndarray]:
@@ -183,6 +368,28 @@ class UpdateRule(abc.ABC):
         """The step proper on one flat slice (``state`` holds the same slice of each buffer, and
         no ``step``); ``step`` counts from 1. ``r(x)`` rounds ``x`` in place to the parameter's
         dtype; the arrays are float32 or float64 and must not be replaced, only written."""
+
+    @abc.abstractmethod
+    def _bound_update(
+        self, largest: dict[str, float], lr: float, step: int, r: _Rounding, b: _Bounds
+    ) -> bool:
+        """:meth:`_update` on magnitudes: given the largest ``|x|`` of ``param``, ``grad`` and
+        each state buffer, pass every value it computes, mirroring its operations and the very
+        constants it uses, through ``b.up``. Return False where a finite result needs more than
+        those bounds (a denominator that may be zero); finite results are then proven if
+        ``b.ok`` stays true, since only an overflow, a division by zero or the square root of a
+        negative makes a NaN or an infinity from finite operands."""
+
+    def _bound_weight_decay(self, largest: dict[str, float], r: _Rounding, b: _Bounds) -> float:
+        if self.config.weight_decay != 0:
+            return b.up(largest["grad"] + b.up(abs(r.alpha(self.config.weight_decay)) * largest["param"]))
+        return largest["grad"]
+
+    def _smallest_denominator(self, r: _Rounding) -> float:
+        # denom = r(x + eps) with x >= 0 (or +inf): rounding is monotonic, so denom >= r(eps).
+        # A 16-bit denominator is summed in float32 and then rounded.
+        eps = np.asarray(r.s(self.config.eps), dtype=_FLOAT32 if r.needed else r.storage)
+        return float(eps.astype(r.storage))
 
     def _with_weight_decay(self, param: np.ndarray, grad: np.ndarray, r: _Rounding) -> np.ndarray:
         # A fresh array rather than grad +=: the caller's gradient buffer stays untouched.
@@ -223,6 +430,21 @@ class Sgd(UpdateRule):
             d_p = r(d_p + r.alpha(cfg.momentum) * buf) if cfg.nesterov else buf
         param += r.alpha(-lr) * d_p
         r(param)
+
+    def _bound_update(self, largest, lr, step, r, b):
+        cfg = self.config
+        d_p = self._bound_weight_decay(largest, r, b)
+        if cfg.momentum != 0:
+            if step == 1:
+                buf = d_p
+            else:
+                buf = b.up(
+                    b.up(largest["momentum_buffer"] * abs(r.s(cfg.momentum)))
+                    + b.up(abs(r.alpha(1 - cfg.dampening)) * d_p)
+                )
+            d_p = b.up(d_p + b.up(abs(r.alpha(cfg.momentum)) * buf)) if cfg.nesterov else buf
+        b.up(largest["param"] + b.up(abs(r.alpha(-lr)) * d_p))
+        return True
 
 
 class Adam(UpdateRule):
@@ -275,6 +497,30 @@ class Adam(UpdateRule):
         param += r.s(-step_size) * exp_avg / denom
         r(param)
 
+    _nonnegative = ("exp_avg_sq",)
+
+    def _bound_update(self, largest, lr, step, r, b):
+        cfg = self.config
+        beta1, beta2 = cfg.beta1, cfg.beta2
+        grad = self._bound_weight_decay(largest, r, b)
+        exp_avg = largest["exp_avg"]
+        difference = b.up(grad + exp_avg)
+        weight = 1 - beta1
+        if abs(weight) < 0.5:
+            exp_avg = b.up(exp_avg + b.up(abs(r.s(weight)) * difference))
+        else:
+            exp_avg = b.up(grad + b.up(difference * abs(r.s(1 - weight))))
+        # exp_avg_sq = beta2 * v + (1 - beta2) * g * g stays >= 0 from v >= 0 (beta2 in [0, 1)),
+        # and so does max_exp_avg_sq = max(finite, exp_avg_sq): no square root of a negative.
+        b.up(b.up(largest["exp_avg_sq"] * abs(r.s(beta2))) + b.up(b.up(abs(r.s(1 - beta2)) * grad) * grad))
+        step_size = lr / (1 - beta1**step)
+        denominator = self._smallest_denominator(r)
+        if not (denominator > 0 and r.s((1 - beta2**step) ** 0.5) > 0):
+            return False  # 0 / 0 is possible
+        # An infinite denominator only sends a finite quotient to 0.
+        b.up(largest["param"] + b.up(b.up(abs(r.s(-step_size)) * exp_avg) / denominator))
+        return True
+
 
 class Adagrad(UpdateRule):
     """``torch.optim.Adagrad``: learning-rate decay, L2 weight decay, initial accumulator.
@@ -301,6 +547,19 @@ class Adagrad(UpdateRule):
         r(std)
         param += r.s(-clr) * grad / std
         r(param)
+
+    _nonnegative = ("sum",)
+
+    def _bound_update(self, largest, lr, step, r, b):
+        cfg = self.config
+        grad = self._bound_weight_decay(largest, r, b)
+        clr = lr / (1 + (step - 1) * cfg.lr_decay)
+        b.up(largest["sum"] + b.up(grad * grad))  # >= 0 from sum >= 0
+        denominator = self._smallest_denominator(r)
+        if not denominator > 0:
+            return False
+        b.up(largest["param"] + b.up(b.up(abs(r.s(-clr)) * grad) / denominator))
+        return True
 
 
 _RULES: dict[str, type[UpdateRule]] = {rule.name: rule for rule in (Sgd, Adam, Adagrad)}

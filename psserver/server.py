@@ -1,7 +1,9 @@
-"""Server wiring: a gRPC server with the shard's servicer and the standard health service."""
+"""Server wiring: a gRPC server with the shard's servicer and the standard health service,
+behind the token and admission interceptors (``psserver.auth``), over TLS when configured."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import tempfile
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pswire.security import ServerTLS
+from psserver.auth import Admission, TokenAuth, load_token_file
 from psserver.checkpoint import CheckpointError
 from psserver.buffers import trim_heap
 from psserver.checkpointer import Checkpointer, parse_schedule
@@ -43,6 +47,8 @@ class Shard:
     reaper: "_Reaper | None" = None
     checkpointer: "Checkpointer | None" = None
     lanes: LaneServer | None = None
+    admission: Admission | None = None
+    servicer: ParameterServerServicer | None = None
 
     @property
     def address(self) -> str:
@@ -58,6 +64,8 @@ class Shard:
         self.server.stop(self.config.grace if grace is None else grace).wait(timeout=30)
         if self.lanes is not None:
             self.lanes.stop()
+        if self.servicer is not None:
+            self.servicer.stop()
 
 
 class _Reaper:
@@ -84,13 +92,22 @@ class _Reaper:
 
 def create_server(config: ServerConfig, *, store: ShardStore | None = None, failpoint=None) -> Shard:
     """Build, bind and start a shard. Raises ``RuntimeError`` if the address cannot be bound or
-    a requested restore fails (naming why)."""
+    a requested restore fails (naming why), ``ValueError`` if a TLS or token file cannot be read
+    or parsed (naming its flag and path)."""
+    tls = ServerTLS(cert_file=config.tls_cert, key_file=config.tls_key, client_ca_file=config.tls_client_ca) \
+        if config.tls_cert else None
+    tokens = load_token_file(config.auth_token_file) if config.auth_token_file else None
+    caps = config.admission_caps()
     lease = config.lease_timeout or None
     store = store or ShardStore(
-        init_timeout=config.init_timeout, max_waiting_pulls=max(1, config.threads - 2), lease_timeout=lease
+        init_timeout=config.init_timeout, max_waiting_pulls=caps.waiting_pulls(), lease_timeout=lease,
+        max_model_bytes=config.max_model_bytes, max_workers=config.max_workers,
     )
+    admission = Admission(caps)
+    interceptors = ([TokenAuth(tokens)] if tokens is not None else []) + [admission]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psserver"),
+        interceptors=interceptors,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
@@ -117,7 +134,10 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
             trim_heap()  # the checkpoint's file and decoded copies are gone; give their heap back
     target = f"{config.host}:{config.port}"
     try:
-        port = server.add_insecure_port(target)
+        if tls is not None:
+            port = server.add_secure_port(target, tls.server_credentials())
+        else:
+            port = server.add_insecure_port(target)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot bind {target}: {exc}") from exc
     if port == 0:
@@ -126,10 +146,12 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     budget = InflightBudget(config.max_inflight_bytes)
     lanes = None
     if config.bulk_port >= 0:
-        lanes = LaneServer(config.host, config.bulk_port, max_bytes=config.max_request_bytes, budget=budget)
+        lanes = LaneServer(config.host, config.bulk_port, max_bytes=config.max_request_bytes, budget=budget,
+                           session_secret=store.session_secret,
+                           ssl_context=tls.ssl_context() if tls is not None else None)
     servicer = ParameterServerServicer(
         store, address=address, chunk_bytes=config.chunk_bytes, max_request_bytes=config.max_request_bytes,
-        checkpointer=checkpointer, lanes=lanes, budget=budget,
+        checkpointer=checkpointer, lanes=lanes, budget=budget, stream_idle_timeout=config.stream_idle_timeout,
     )
     add_to_server(servicer, server)
     health_servicer = health.HealthServicer()
@@ -141,11 +163,48 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if config.port_file:
         _write_atomically(config.port_file, f"{port}\n")
-    log.info("psserver listening on %s%s", address, f", bulk lanes on port {lanes.port}" if lanes else "")
+    log.info("psserver listening on %s%s (%s; %s; at once: %d data calls, %d status calls, %d threads)", address,
+             f", bulk lanes on port {lanes.port}" if lanes else "",
+             ("mutual TLS" if tls.mutual else "TLS") if tls is not None else "plaintext",
+             f"{len(tokens)} token(s) checked" if tokens is not None else "no tokens checked",
+             caps.data, caps.status, config.threads)
+    for warning in exposure_warnings(config.host, port, lanes.port if lanes else None,
+                                     tls=tls is not None, mutual=tls is not None and tls.mutual,
+                                     tokens=tokens is not None):
+        log.warning("%s", warning)
     reaper = _Reaper(store, lease) if lease else None
     if checkpointer is not None:
         checkpointer.start()
-    return Shard(server, port, store, health_servicer, config, reaper, checkpointer, lanes)
+    return Shard(server, port, store, health_servicer, config, reaper, checkpointer, lanes, admission, servicer)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warnings(host: str, port: int, bulk_port: int | None, *, tls: bool, mutual: bool,
+                      tokens: bool) -> list[str]:
+    """What a shard bound to ``host`` leaves unprotected, and the flags that fix it (nothing
+    on loopback)."""
+    if is_loopback(host):
+        return []
+    ports = f"port {port}" + (f" and bulk port {bulk_port}" if bulk_port else "")
+    out = []
+    if not tls:
+        out.append(f"{host} is not loopback and TLS is off: every call, tensor and token on {ports} travels "
+                   "in clear text, and clients cannot tell this shard from an impostor (give --tls-cert and "
+                   "--tls-key; --tls-client-ca to require client certificates)")
+    if not tokens:
+        out.append(f"{host} is not loopback and no tokens are checked: anyone who reaches {ports}"
+                   f"{' with a client certificate' if mutual else ''} may register, push, pull, read the model "
+                   "and write checkpoints (give --auth-token-file)")
+    return out
 
 
 def _write_atomically(path: str, text: str) -> None:

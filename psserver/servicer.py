@@ -3,17 +3,21 @@ status codes (one table), and nothing else."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from pswire import errors, frames
 from pswire.codec import ChunkAssembler, Part, array_bytes, on_wire, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psserver.buffers import BufferPool, trim_heap
-from psserver.inflight import InflightBudget
+from psserver.inflight import InflightBudget, Transfer
 from psserver.lanes import LaneServer
 from psserver.store import PullSnapshot, Registration, ShardStore
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_from_proto, optimizer_to_proto
@@ -26,6 +30,9 @@ STATUS_CODES: dict[type[errors.PSError], grpc.StatusCode] = {
     errors.InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.FencedError: grpc.StatusCode.ABORTED,
     errors.TooLargeError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     errors.PreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NotReadyError: grpc.StatusCode.UNAVAILABLE,
     errors.UnavailableError: grpc.StatusCode.UNAVAILABLE,
@@ -34,6 +41,10 @@ STATUS_CODES: dict[type[errors.PSError], grpc.StatusCode] = {
 
 
 SERVICE = "pswire.v1.ParameterServer"
+
+RETRYABLE = ("ps-retryable", "1")
+"""Trailing metadata of a RESOURCE_EXHAUSTED that is admission control (retry after a backoff),
+not a request too large to ever succeed."""
 
 INLINE_LIMIT = 4 << 20
 """The most bytes a PullInline answers with; larger shards are pulled as a stream."""
@@ -45,10 +56,100 @@ _REQUEST_DECODERS = {"Push": frames.decoder(ps_pb2.TensorMessage), "Initialize":
 _RESPONSE_ENCODERS = {"Pull": frames.serialize}
 
 
+class Undecodable:
+    """What a request that protobuf cannot parse decodes to: the handler answers it with
+    INVALID_ARGUMENT. (An exception from a deserialiser would make gRPC log a traceback per
+    request and answer INTERNAL.)"""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(decode: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    def tolerant(raw: bytes) -> object:
+        try:
+            return decode(raw)
+        except (DecodeError, ValueError, TypeError, RuntimeError) as exc:
+            return Undecodable(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    return tolerant
+
+
+_UNEXPECTED_LOG_EVERY = 60.0
+"""Seconds between tracebacks of unexpected handler errors (each is still answered INTERNAL)."""
+
+
+class _Guard:
+    """Wraps every handler: an undecodable request is INVALID_ARGUMENT, and an exception no
+    handler mapped is INTERNAL with its type and message (a traceback logged at most once a
+    minute), never gRPC's UNKNOWN."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logged_at = float("-inf")
+        self.unexpected = 0
+
+    def _unexpected(self, method: str, exc: BaseException, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            self.unexpected += 1
+            now = time.monotonic()
+            loud = now - self._logged_at >= _UNEXPECTED_LOG_EVERY
+            if loud:
+                self._logged_at = now
+        if loud:
+            log.error("%s failed unexpectedly (%d so far; tracebacks at most once a minute)", method,
+                      self.unexpected, exc_info=exc)
+        context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the shard: {type(exc).__name__}: {exc}")
+
+    def unary(self, method: str, behavior):
+        @functools.wraps(behavior)
+        def guarded(request, context):
+            if isinstance(request, Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {method} request: {request.reason}")
+            try:
+                return behavior(request, context)
+            except Exception as exc:
+                if _aborted(context):
+                    raise
+                if not context.is_active():  # cancelled (by the client, or cut when idle): nobody to answer
+                    raise
+                self._unexpected(method, exc, context)
+
+        return guarded
+
+    def streaming(self, method: str, behavior):
+        @functools.wraps(behavior)
+        def guarded(request, context):
+            if isinstance(request, Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {method} request: {request.reason}")
+            try:
+                yield from behavior(request, context)
+            except Exception as exc:
+                if _aborted(context):
+                    raise
+                if not context.is_active():
+                    raise
+                self._unexpected(method, exc, context)
+
+        return guarded
+
+
+def _aborted(context: grpc.ServicerContext) -> bool:
+    """Whether the handler already ended the call with a status (``context.abort`` raises)."""
+    try:
+        return context.code() is not None
+    except (AttributeError, NotImplementedError):
+        return False
+
+
 def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
     """Register every method of the service in ``ps.proto`` (what the generated
-    ``add_ParameterServerServicer_to_server`` does), with the chunk codecs above."""
+    ``add_ParameterServerServicer_to_server`` does), with the chunk codecs above, tolerant
+    decoding and the guard that maps every exception to a status."""
     handlers = {}
+    guard = servicer.guard
     for method in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods:
         request_type = getattr(ps_pb2, method.input_type.name)
         response_type = getattr(ps_pb2, method.output_type.name)
@@ -58,9 +159,11 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
             (False, True): grpc.unary_stream_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
+        behavior = getattr(servicer, method.name)
+        wrap = guard.streaming if method.server_streaming else guard.unary
         handlers[method.name] = kind(
-            getattr(servicer, method.name),
-            request_deserializer=_REQUEST_DECODERS.get(method.name, request_type.FromString),
+            wrap(method.name, behavior),
+            request_deserializer=_tolerant(_REQUEST_DECODERS.get(method.name, request_type.FromString)),
             response_serializer=_RESPONSE_ENCODERS.get(method.name, response_type.SerializeToString),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
@@ -83,18 +186,80 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     for cls in type(exc).__mro__:
         code = STATUS_CODES.get(cls)
         if code is not None:
+            if isinstance(exc, errors.OverloadedError):
+                context.set_trailing_metadata((RETRYABLE,))
             context.abort(code, str(exc))
     if isinstance(exc, ValueError):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     raise exc
 
 
+class _IdleStreams:
+    """Cuts client streams that stop sending: a stream whose handler has waited longer than
+    ``timeout`` seconds for its next message is cancelled, which frees the handler thread (16
+    idle Push streams once held every thread of a shard, and heartbeats timed out behind them).
+    One watchdog thread serves every stream; 0 disables it."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._lock = threading.Lock()  # guards _waiting
+        self._waiting: dict[int, tuple[float, grpc.ServicerContext]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    def watch(self, messages: Iterator, context: grpc.ServicerContext | None) -> Iterator:
+        """``messages``, noting when the handler waits for the next one."""
+        if not self.timeout or context is None:
+            yield from messages
+            return
+        self._start()
+        key = id(context)
+        try:
+            while True:
+                with self._lock:
+                    self._waiting[key] = (time.monotonic(), context)
+                try:
+                    message = next(messages)
+                except StopIteration:
+                    return
+                finally:
+                    with self._lock:
+                        self._waiting.pop(key, None)
+                yield message
+        finally:
+            with self._lock:
+                self._waiting.pop(key, None)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="psserver-idle-streams", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout / 4)
+        while not self._stopped.wait(timeout=period):
+            now = time.monotonic()
+            with self._lock:
+                idle = [(k, c) for k, (since, c) in self._waiting.items() if now - since > self.timeout]
+                for key, _ in idle:
+                    del self._waiting[key]
+            for _, context in idle:
+                log.warning("cut a client stream that sent nothing for %.0fs (--stream-idle-timeout)", self.timeout)
+                context.cancel()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(
         self, store: ShardStore, *, address: str, chunk_bytes: int, max_request_bytes: int, checkpointer=None,
-        lanes: LaneServer | None = None, budget: InflightBudget | None = None,
+        lanes: LaneServer | None = None, budget: InflightBudget | None = None, stream_idle_timeout: float = 10.0,
     ) -> None:
         self._store = store
+        self.guard = _Guard()
+        self._idle = _IdleStreams(stream_idle_timeout)
         self._lanes = lanes
         self._budget = budget or InflightBudget(0)
         self._checkpointer = checkpointer
@@ -102,6 +267,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._chunk_bytes = chunk_bytes
         self._max_request_bytes = max_request_bytes
         self._buffers = BufferPool()  # one free buffer per part and push once in flight at once
+
+    def stop(self) -> None:
+        """Stop the idle-stream watchdog (the server has stopped serving)."""
+        self._idle.stop()
 
     def Register(self, request: ps_pb2.RegisterRequest, context: grpc.ServicerContext) -> ps_pb2.RegisterResponse:
         try:
@@ -121,7 +290,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 job_fingerprint=request.job_fingerprint,
                 consistency=consistency_from_proto(request.consistency),
             )
-            result = self._store.register(reg)
+            result = self._store.register(reg, session=request.session)
         except (errors.PSError, ValueError) as exc:
             log.warning("register of %r refused: %s", request.worker_name, exc)
             _abort(context, exc)
@@ -135,19 +304,32 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             lease_seconds=result.lease_seconds,
             data=ps_pb2.DataPosition(**result.data) if result.data else None,
             bulk_port=self._lanes.port if self._lanes is not None else 0,
+            session=result.session,
         )
 
     def _receive(
         self, request_iterator: Iterator[ps_pb2.TensorMessage], *, initialize: bool,
         context: grpc.ServicerContext | None = None,
     ) -> tuple[ps_pb2.TensorHeader, list[Part], list, Callable[[], None]]:
-        first = next(request_iterator, None)
+        messages = self._idle.watch(iter(request_iterator), context)
+        first = next(messages, None)
+        if isinstance(first, Undecodable):
+            raise errors.InvalidArgumentError(f"undecodable stream message: {first.reason}")
         if not isinstance(first, ps_pb2.TensorMessage) or first.WhichOneof("kind") != "header":
             raise errors.InvalidArgumentError("the stream must start with a header")
         header = first.header
+        # Who is sending is settled before any of its bytes are read.
+        if initialize:
+            if not self._store.may_initialize(header.worker_id, header.generation, session=header.session):
+                self._expect(header, initialize=True)  # still a well-formed upload, or told why not
+                return header, [], [], None
+        else:
+            self._store.check_session(header.worker_id, header.generation, header.session)
 
         def chunks() -> Iterator[frames.Chunk]:
-            for message in request_iterator:
+            for message in messages:
+                if isinstance(message, Undecodable):
+                    raise errors.InvalidArgumentError(f"undecodable stream message: {message.reason}")
                 if not isinstance(message, frames.Chunk):
                     raise errors.InvalidArgumentError("only chunks may follow the header")
                 yield message
@@ -179,42 +361,41 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """Validate the header's parts, then copy the chunks into place. A push's gradients land
         in pooled buffers (given back by the returned release, once applied) and, when compressed,
         are widened to the variables' dtypes; initial values become the variables, so they get
-        buffers of their own. A push first takes its bytes from the in-flight budget, waiting
-        for room until its deadline (``NotReadyError`` then: retryable)."""
+        buffers of their own. Every chunk's bytes are taken from the in-flight budget as they
+        arrive (initial values' too, until adopted), waiting for room until the call's deadline
+        (``NotReadyError`` then: retryable)."""
         parts, sent = self._expect(header, initialize=initialize)
-        if initialize:
-            buffers = None
-        else:
-            total = sum(p.nbytes for p in sent)
-            if not self._budget.acquire(total, _time_left(context, margin=0.05)):
-                raise errors.NotReadyError(
-                    f"no room for a push of {total} bytes: {self._budget.held} bytes of pushes in flight "
-                    f"on this shard (--max-inflight-bytes {self._budget.limit}); retry"
-                )
-            try:
-                buffers = self._take(sent)
-            except BaseException:
-                self._budget.release(total)
-                raise
+        transfer = self._budget.transfer()
+        timeout = _time_left(context, margin=0.05)
+        deadline = time.monotonic() + timeout
+        buffers = None if initialize else self._take(sent)
         try:
             assembler = ChunkAssembler(sent, None if buffers is None else [array_bytes(b) for b in buffers])
             for chunk in chunks:
+                self._take_budget(transfer, len(chunk.data), deadline)
                 assembler.add(chunk)
             allocated = assembler.finish()
             received = allocated if buffers is None else buffers
         except BaseException:
             if buffers is not None:
                 self._buffers.give(*buffers)
-                self._budget.release(total)
+            transfer.close()
             raise
         if initialize:
-            return parts, received, lambda: None
+            return parts, received, transfer.close
 
         def release() -> None:
             self._buffers.give(*received)
-            self._budget.release(total)
+            transfer.close()
 
         return (parts, *self._widen(parts, sent, received, release))
+
+    def _take_budget(self, transfer: Transfer, nbytes: int, deadline: float) -> None:
+        if not transfer.acquire(nbytes, max(0.0, deadline - time.monotonic())):
+            raise errors.NotReadyError(
+                f"no room for a push's bytes: {self._budget.held} bytes of pushes in flight on this shard "
+                f"(--max-inflight-bytes {self._budget.limit}); retry"
+            )
 
     def _widen(
         self, parts: list[Part], sent: list[Part], received: list[np.ndarray], release: Callable[[], None]
@@ -236,11 +417,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         buffer (no copy), which goes back to the lanes' pool on release."""
         if self._lanes is None:
             raise errors.PreconditionError("this shard has no bulk lanes (--bulk-port off): send the bytes inline")
+        self._store.check_session(header.worker_id, header.generation, header.session)
         parts, sent = self._expect(header, initialize=False)
         total = sum(p.nbytes for p in sent)
         if bulk.nbytes != total:
             raise errors.InvalidArgumentError(f"bulk push names {bulk.nbytes} bytes, but its parts hold {total}")
-        buffer = self._lanes.claim(bulk.lane, bulk.token, total, _time_left(context))
+        buffer = self._lanes.claim(
+            bulk.lane, bulk.token, total, _time_left(context), owner=(header.worker_id, header.generation)
+        )
         views, copies, offset = [], [], 0
         for part in sent:
             piece = buffer[offset : offset + part.nbytes]
@@ -261,8 +445,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Initialize(self, request_iterator, context: grpc.ServicerContext) -> ps_pb2.InitializeResponse:
         try:
-            header, _, values, _ = self._receive(request_iterator, initialize=True)
-            applied, version = self._store.initialize(header.worker_id, header.generation, values)
+            header, _, values, release = self._receive(request_iterator, initialize=True, context=context)
+            if release is None:  # initialised already: the bytes are not read
+                return ps_pb2.InitializeResponse(applied=False, version=self._store.status()["version"])
+            try:
+                applied, version = self._store.initialize(
+                    header.worker_id, header.generation, values, session=header.session
+                )
+            finally:
+                release()
             del values
             trim_heap()
         except (errors.PSError, ValueError) as exc:
@@ -290,6 +481,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     raise errors.InvalidArgumentError(
                         f"inline push carries {len(request.data)} tensors for {len(request.header.parts)} parts"
                     )
+                self._store.check_session(request.header.worker_id, request.header.generation, request.header.session)
                 chunks = (frames.Chunk(index, 0, data) for index, data in enumerate(request.data))
                 parts, grads, release = self._assemble(request.header, chunks, initialize=False, context=context)
         except (errors.PSError, ValueError) as exc:
@@ -312,6 +504,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 clock=header.clock, base_clock=header.base_clock,
                 data={"step": header.data.step, "epoch": header.data.epoch, "position": header.data.position}
                 if header.HasField("data") else None,
+                session=header.session,
             )
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected()
@@ -325,8 +518,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             if self._checkpointer is None:
                 raise errors.PreconditionError("this shard has no --checkpoint-dir")
-            path, version, complete = self._checkpointer.checkpoint(request.checkpoint_id)
+            try:
+                path, version, complete = self._checkpointer.checkpoint(request.checkpoint_id)
+            except OSError as exc:
+                raise errors.PreconditionError(
+                    f"cannot write checkpoint {request.checkpoint_id} in {self._checkpointer.directory}: "
+                    f"{exc.strerror or exc}"
+                ) from exc
         except (errors.PSError, ValueError) as exc:
+            log.warning("checkpoint %d refused: %s", request.checkpoint_id, exc)
             _abort(context, exc)
         return ps_pb2.CheckpointResponse(
             checkpoint_id=request.checkpoint_id, path=path, version=version, complete=complete
@@ -334,14 +534,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:
         try:
-            lease = self._store.heartbeat(request.worker_id, request.generation)
+            lease = self._store.heartbeat(request.worker_id, request.generation, session=request.session)
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
         return ps_pb2.HeartbeatResponse(lease_seconds=lease)
 
     def Leave(self, request: ps_pb2.LeaveRequest, context: grpc.ServicerContext) -> ps_pb2.LeaveResponse:
         try:
-            self._store.leave(request.worker_id, request.generation)
+            self._store.leave(request.worker_id, request.generation, session=request.session)
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
         return ps_pb2.LeaveResponse()
@@ -355,6 +555,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 dict(request.known_versions), timeout=_time_left(context, margin=0.05),
                 worker_id=request.worker_id, generation=request.generation,
                 clock=request.clock if request.worker_id else -1, wire_dtype=wire_dtype_from_proto(request.wire_dtype),
+                session=request.session,
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
@@ -395,13 +596,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         variables, before answering."""
         if self._lanes is None:
             _abort(context, errors.PreconditionError("this shard has no bulk lanes (--bulk-port off): pull inline"))
+        if not request.worker_id:
+            _abort(context, errors.InvalidArgumentError("a pull on a bulk lane must name the worker whose lane it is"))
         header, snapshot = self._snapshot(request, context)
         with snapshot:
             views = _views(snapshot)
             try:
                 self._lanes.deliver(
                     request.bulk.lane, request.bulk.token, header.SerializeToString(), views,
-                    timeout=_time_left(context),
+                    timeout=_time_left(context), owner=(request.worker_id, request.generation),
                 )
             except errors.PSError as exc:
                 _abort(context, exc)
@@ -446,4 +649,5 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             push_bytes_in_flight=self._budget.held,
             push_bytes_in_flight_peak=self._budget.peak,
             max_inflight_bytes=self._budget.limit,
+            updates_nonfinite=s["updates_nonfinite"],
         )

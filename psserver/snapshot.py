@@ -20,7 +20,7 @@ from pswire.errors import InvalidArgumentError
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
 from psserver.consistency import PushAction
-from psserver.job import Registration
+from psserver.job import MAX_COUNT, Registration
 from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
 
@@ -126,6 +126,21 @@ class Decoded:
     """What :meth:`Counters.checkpointed` wrote, for :meth:`Counters.restore`."""
 
 
+def _check_counts(metadata: dict[str, Any]) -> None:
+    """Raises ``ValueError`` for a count that no shard could have reached (``job.MAX_COUNT``):
+    a checkpoint never brings back a value that would break the restored shard."""
+    counts = [(k, metadata.get(k, 0)) for k in ("version", "clock", "clock_floor", "open_clock", "received",
+                                                   "next_worker_id")]
+    counts += [(f"version of {k!r}", v) for k, v in metadata["slot_versions"].items()]
+    for w in metadata["workers"]:
+        counts += [(f"{k} of worker {w.get('name')!r}", w.get(k, 0))
+                   for k in ("id", "generation", "clock", "pushes", "max_sequence")]
+        counts += [(f"data {k} of worker {w.get('name')!r}", v) for k, v in (w.get("data") or {}).items()]
+    for what, value in counts:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+            raise ValueError(f"metadata's {what} is {value!r}, not a count in 0..{MAX_COUNT}")
+
+
 def decode(tensors: dict[str, np.ndarray], metadata: dict[str, Any], *, now: float, source: str) -> Decoded:
     """Check a checkpoint part for completeness and consistency, and rebuild the store's records
     from copies of its tensors; ``now`` (the store's clock) starts each worker's lease, and the
@@ -153,6 +168,7 @@ def decode(tensors: dict[str, np.ndarray], metadata: dict[str, Any], *, now: flo
             raise ValueError(f"metadata lacks {key!r}")
     if set(metadata["slot_versions"]) != set(values):
         raise ValueError("metadata's part versions do not match the variables")
+    _check_counts(metadata)
     rule = create_update_rule(job.optimizer)
     for key, state in states.items():
         fresh = rule.init_state(values[key])

@@ -63,6 +63,9 @@ class Worker:
     applied: dict[int, PushResult] = field(default_factory=dict)
     """Sequence -> reply of this generation's recent pushes, oldest first (bounded)."""
     max_sequence: int = 0
+    secret: bytes = field(default=b"", repr=False)
+    """This registration's session secret (never checkpointed, never shown: a restored worker
+    is fenced and registers again for a new one)."""
 
 
 @dataclass
@@ -115,6 +118,8 @@ class Counters:
     pulls_served: int = 0
     pull_wait_seconds: float = 0.0
     workers_evicted: int = 0
+    updates_nonfinite: int = 0
+    """Updates refused whole because they would have made a variable or its state non-finite."""
     max_staleness: int = 0
     staleness_counts: list[int] = field(default_factory=lambda: [0] * STALENESS_BUCKETS)
 

@@ -8,7 +8,9 @@ Every method either completes or raises a ``pswire.errors`` error with the state
 from __future__ import annotations
 
 import enum
+import hmac
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -19,12 +21,17 @@ import numpy as np
 
 from pswire.codec import Part, dtype_name, on_wire
 from pswire.dtypes import DType
-from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
+from pswire.errors import (
+    DeadlineError, FencedError, InvalidArgumentError, NotReadyError, OverloadedError, PreconditionError,
+    UnauthenticatedError,
+)
 from psserver import consistency as cons
 from psserver import snapshot
 from psserver.leases import expired
 from psserver.consistency import Mode, PushAction
-from psserver.job import Registration, check_finite, check_parts, check_same_job, fmt_bytes
+from psserver.job import (
+    MAX_COUNT, Registration, check_count, check_finite, check_parts, check_same_job, fmt_bytes,
+)
 from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
 
@@ -50,6 +57,8 @@ class RegisterResult:
     lease_seconds: float = 0.0
     data: dict = field(default_factory=dict)
     """This worker's last recorded progress (a restarted worker resumes from it)."""
+    session: bytes = b""
+    """The registration's secret: every later call of it must carry it."""
 
 
 @dataclass(frozen=True)
@@ -102,9 +111,13 @@ class ShardStore:
         max_waiting_pulls: int = 8,
         dedupe_window: int = 64,
         lease_timeout: float | None = None,
+        max_model_bytes: int = 64 << 30,
+        max_workers: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._init_timeout = init_timeout
+        self._max_model_bytes = max_model_bytes
+        self._max_workers = max_workers
         self._lease_timeout = lease_timeout
         # A waiting pull parks a handler thread; capping them leaves threads free for the pushes
         # and the Initialize that release them (pulls beyond the cap are refused as retryable).
@@ -139,13 +152,22 @@ class ShardStore:
 
     # -- membership -------------------------------------------------------------------------
 
-    def register(self, reg: Registration) -> RegisterResult:
-        """Join the job. The first registration defines it; later ones must agree.
+    def register(self, reg: Registration, *, session: bytes | None = None) -> RegisterResult:
+        """Join the job. The first registration defines it; later ones must agree. Every
+        registration gets a new generation and a new session secret (``RegisterResult.session``).
 
-        Raises ``InvalidArgumentError`` for a malformed registration and ``PreconditionError``
-        naming the first disagreement (shard index, variable shape, optimizer setting, ...).
+        A name whose registration is live can be registered again only with that registration's
+        ``session`` (a worker re-registering itself) or once its lease has expired: anyone else
+        gets ``NotReadyError`` (retryable: a restarted worker waits out its old lease).
+        ``session=None`` is for in-process callers that need no proof; the servicer always
+        passes the bytes the call carried.
+
+        Raises ``InvalidArgumentError`` for a malformed registration (or one above
+        ``max_model_bytes``), ``PreconditionError`` naming the first disagreement (shard index,
+        variable shape, optimizer setting, ...), and ``OverloadedError`` when the worker table
+        is full of live workers.
         """
-        check_parts(reg.parts)
+        check_parts(reg.parts, self._max_model_bytes)
         rule = create_update_rule(reg.optimizer)
         with self._lock:
             if self._job is None:
@@ -162,7 +184,10 @@ class ShardStore:
             # A (re)joining worker starts at the shard's clock, so it never holds others back.
             start = self._current_clock()
             worker = self._workers.get(reg.worker_name)
+            if worker is not None and session is not None:
+                self._check_takeover(worker, session)
             if worker is None:
+                self._make_room()
                 worker = Worker(self._next_worker_id, reg.worker_name, 1, clock=start)
                 self._next_worker_id += 1
                 self._workers[reg.worker_name] = self._by_id[worker.worker_id] = worker
@@ -171,6 +196,7 @@ class ShardStore:
                 worker.applied.clear()  # sequences restart with each generation
                 worker.max_sequence = 0
                 worker.clock, worker.live, worker.evicted, worker.fenced = start, True, False, ""
+            worker.secret = secrets.token_bytes(32)
             worker.heard_at = self._now()
             must_init = False
             if self._state is ShardState.INITIALIZING:
@@ -182,22 +208,67 @@ class ShardStore:
             self._membership_changed()  # a returning sync contributor may complete the open clock
             return RegisterResult(
                 worker.worker_id, worker.generation, must_init, self._version, start, self._job.consistency,
-                self._lease_timeout or 0.0, dict(worker.data),
+                self._lease_timeout or 0.0, dict(worker.data), worker.secret,
             )
 
-    def leave(self, worker_id: int, generation: int) -> None:
+    def _check_takeover(self, worker: Worker, session: bytes) -> None:
+        # Caller holds _lock. A live registration of this name belongs to whoever holds its secret.
+        if not worker.live or worker.evicted or worker.fenced:
+            return
+        if hmac.compare_digest(session, worker.secret):
+            return
+        if self._lease_timeout:
+            left = self._lease_timeout - (self._now() - worker.heard_at)
+            when = f"its lease expires in {max(left, 0.0):.1f}s unless it renews it"
+        else:
+            when = "leases are off on this shard (--lease-timeout 0), so only it can leave"
+        raise NotReadyError(
+            f"worker name {worker.name!r} is held by a live registration (generation {worker.generation}); "
+            f"{when}. Give each worker its own --worker-name"
+        )
+
+    def _make_room(self) -> None:
+        # Caller holds _lock. The worker table is bounded: forget the longest-silent departed
+        # worker (not one whose gradient is in the open sync clock) to admit a new name.
+        if len(self._workers) < self._max_workers:
+            return
+        gone = [w for w in self._workers.values() if not w.live and w.name not in self._sync.contributors]
+        if not gone:
+            raise OverloadedError(
+                f"this shard already knows {len(self._workers)} workers, all live (--max-workers "
+                f"{self._max_workers}); retry once one leaves"
+            )
+        oldest = min(gone, key=lambda w: w.heard_at)
+        del self._workers[oldest.name], self._by_id[oldest.worker_id]
+
+    def session_secret(self, worker_id: int, generation: int) -> bytes | None:
+        """The secret of registration ``(worker_id, generation)`` while it is live, else None
+        (for the bulk lanes' handshake)."""
+        with self._lock:
+            worker = self._by_id.get(worker_id)
+            if worker is None or worker.generation != generation or not worker.live or worker.fenced:
+                return None
+            return worker.secret or None
+
+    def check_session(self, worker_id: int, generation: int, session: bytes | None) -> None:
+        """Raise as :meth:`apply_push` would for this registration and session (before a
+        transfer's bytes are read)."""
+        with self._lock:
+            self._check_worker(worker_id, generation, session)
+
+    def leave(self, worker_id: int, generation: int, *, session: bytes | None = None) -> None:
         """A worker leaves the job: it stops counting for SSP/sync membership at once."""
         with self._lock:
-            worker = self._check_worker(worker_id, generation)
+            worker = self._check_worker(worker_id, generation, session)
             worker.live = False
             log.info("%s left the job at clock %d", worker.name, worker.clock)
             self._membership_changed()
 
-    def heartbeat(self, worker_id: int, generation: int) -> float:
+    def heartbeat(self, worker_id: int, generation: int, *, session: bytes | None = None) -> float:
         """Renew a worker's lease; returns the lease in seconds (0: leases off). Raises
         ``PreconditionError`` when the worker was evicted, left, or re-registered since."""
         with self._lock:
-            self._check_worker(worker_id, generation)
+            self._check_worker(worker_id, generation, session)
             return self._lease_timeout or 0.0
 
     def evict_expired(self) -> list[str]:
@@ -219,15 +290,25 @@ class ShardStore:
                 self._membership_changed()
             return names
 
-    def _check_worker(self, worker_id: int, generation: int) -> Worker:
-        # Caller holds _lock.
+    def _check_worker(self, worker_id: int, generation: int, session: bytes | None) -> Worker:
+        # Caller holds _lock. ``session`` None: an in-process caller (no proof needed).
         worker = self._by_id.get(worker_id)
         if worker is None:
-            raise FencedError(f"worker id {worker_id} is not registered with this shard: register first")
+            raise FencedError(
+                f"worker id {worker_id} is not registered with this shard (it restarted without a checkpoint?): "
+                "register again"
+            )
         if generation != worker.generation:
             raise FencedError(
                 f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
                 f"but its current generation is {worker.generation}: re-register"
+            )
+        if session is not None and not worker.secret:  # restored from a checkpoint: no session here yet
+            raise FencedError(f"worker {worker.name!r}: {worker.fenced or 'no session on this shard'}; re-register")
+        if session is not None and not hmac.compare_digest(session, worker.secret):
+            raise UnauthenticatedError(
+                f"the call for worker id {worker_id} (generation {generation}) does not carry that "
+                "registration's session secret"
             )
         if worker.fenced:
             raise FencedError(f"worker {worker.name!r}: {worker.fenced}; re-register")
@@ -339,7 +420,27 @@ class ShardStore:
             raise InvalidArgumentError("initialisation must list every variable of the shard in placement order")
         return [expected[p.key] for p in header_parts]
 
-    def initialize(self, worker_id: int, generation: int, values: Sequence[np.ndarray]) -> tuple[bool, int]:
+    def may_initialize(self, worker_id: int, generation: int, *, session: bytes | None = None) -> bool:
+        """Whether this registration should upload the initial values now (checked before any
+        of their bytes are read): False once the shard is initialised. Raises
+        ``PreconditionError`` when another worker was chosen to initialise it, and the errors
+        of a call whose registration is void."""
+        with self._lock:
+            if self._job is None:
+                raise PreconditionError("this shard has no job yet: register first")
+            self._check_worker(worker_id, generation, session)
+            if self._state is ShardState.READY:
+                return False
+            if self._initializer != worker_id:
+                raise PreconditionError(
+                    f"worker id {worker_id} was not chosen to initialise this shard (worker id "
+                    f"{self._initializer} was): register again to be told whether to"
+                )
+            return True
+
+    def initialize(
+        self, worker_id: int, generation: int, values: Sequence[np.ndarray], *, session: bytes | None = None
+    ) -> tuple[bool, int]:
         """Adopt ``values`` (one tensor per part, in order; ownership passes to the store) as the
         initial variables. Returns ``(applied, version)``; ``applied`` is False when another
         worker's upload won. Raises ``InvalidArgumentError`` for non-finite values."""
@@ -350,7 +451,7 @@ class ShardStore:
         for part, value in zip(job.parts, values, strict=True):
             check_finite(part, value, "initial value")
         with self._lock:
-            self._check_worker(worker_id, generation)
+            self._check_worker(worker_id, generation, session)
             if self._state is ShardState.READY:
                 return False, self._version
             assert self._rule is not None
@@ -374,25 +475,52 @@ class ShardStore:
         clock: int = 0,
         base_clock: int = 0,
         data: Mapping[str, int] | None = None,
+        session: bytes | None = None,
     ) -> PushResult:
         """Handle one push atomically per the job's consistency: apply it (every part or none),
         scale it, drop it, or add it to the open sync clock.
 
         A push whose ``sequence`` this worker generation already had handled is acknowledged
-        again with its original reply and not re-applied. Raises ``InvalidArgumentError`` for
-        non-finite gradients or versions/clocks that cannot be, ``NotReadyError`` before
-        initialisation, ``PreconditionError`` for an unknown, departed or stale-generation worker.
+        again with its original reply and not re-applied; one older than the dedupe window, whose
+        outcome is no longer known, is refused (``PreconditionError``), never acknowledged as
+        applied. Every integer is range-checked before it touches state, and an update that would
+        make a variable or its optimizer state non-finite is refused whole and counted. Raises
+        ``InvalidArgumentError`` for non-finite gradients or updates and for sequences, versions,
+        clocks or progress that cannot be, ``NotReadyError`` before initialisation,
+        ``PreconditionError`` for an unknown, departed or stale-generation worker.
         """
         for part, grad in zip(parts, grads, strict=True):
             check_finite(part, grad, "gradient")
+        check_count("sequence", sequence)
+        check_count("clock", clock)
+        check_count("base clock", base_clock)
+        for key, value in (data or {}).items():
+            check_count(f"data {key}", value)
         with self._lock:
             self._counters.pushes_received += 1
             if self._state is not ShardState.READY:
                 raise NotReadyError("this shard is not initialised yet")
-            worker = self._check_worker(worker_id, generation)
+            worker = self._check_worker(worker_id, generation, session)
             if 0 < sequence <= worker.max_sequence:
+                known = worker.applied.get(sequence)
+                if known is None:
+                    raise PreconditionError(
+                        f"push {sequence} of {worker.name} is older than this shard's record of its last "
+                        f"{self._dedupe_window} pushes (the newest is {worker.max_sequence}): whether it was "
+                        "applied is not known"
+                    )
                 log.info("push %d of %s already handled; acknowledged again", sequence, worker.name)
-                return worker.applied.get(sequence, PushResult(self._version, 0, PushAction.APPLY))
+                return known
+            if sequence > worker.max_sequence + self._dedupe_window:
+                raise InvalidArgumentError(
+                    f"push sequence {sequence} is far ahead of {worker.name}'s last ({worker.max_sequence}); "
+                    f"sequences count up from 1 per registration, at most {self._dedupe_window} ahead"
+                )
+            if clock > worker.clock + 1:
+                raise InvalidArgumentError(
+                    f"push for clock {clock}, but {worker.name} is at clock {worker.clock}: a push belongs to "
+                    "the worker's current step"
+                )
             job = self._job
             assert job is not None and self._rule is not None
             mode = job.consistency.mode
@@ -419,6 +547,7 @@ class ShardStore:
                 self._counters.pushes_dropped += 1
                 log.debug("push of %s dropped: %s", worker.name, decision.reason)
             elif parts:  # a push with no parts only advances the worker's clock
+                self._verify_update(parts, grads, decision.lr_scale, worker.name)
                 self._version += 1
                 for part, grad in zip(parts, grads):
                     slot = self._slots[part.key]
@@ -440,16 +569,39 @@ class ShardStore:
             self._membership_changed()
             return result
 
+    def _verify_update(self, parts: Sequence[Part], grads: Sequence[np.ndarray], lr_scale: float, who: str) -> None:
+        # Caller holds _lock. Every part is checked before any is changed: a push applies whole
+        # or not at all.
+        assert self._rule is not None
+        for part, grad in zip(parts, grads):
+            slot = self._slots[part.key]
+            try:
+                self._rule.verify(slot.value, grad, slot.state, lr_scale=lr_scale)
+            except InvalidArgumentError as exc:
+                self._counters.updates_nonfinite += 1
+                raise InvalidArgumentError(f"push of {who} refused: {part.key!r}: {exc}") from None
+
     def _apply_aggregate(self) -> None:
         # Caller holds _lock. One update per sync clock: the mean of the gradients received.
         assert self._rule is not None
-        self._version += 1
-        for key, mean in self._sync.means():
-            slot = self._slots[key]
-            self._rule.apply(slot.writable(), mean, slot.state)
-            slot.version = self._version
-        self._counters.pushes_applied += 1
-        self._counters.record_staleness(0)
+        means = list(self._sync.means())
+        try:
+            for key, mean in means:
+                slot = self._slots[key]
+                self._rule.verify(slot.value, mean, slot.state)
+        except InvalidArgumentError as exc:
+            # The clock's pushes were acknowledged as accumulated; its update is dropped whole.
+            self._counters.updates_nonfinite += 1
+            self._counters.pushes_dropped += 1
+            log.warning("sync clock %d's update dropped: %r: %s", self._open_clock, key, exc)
+        else:
+            self._version += 1
+            for key, mean in means:
+                slot = self._slots[key]
+                self._rule.apply(slot.writable(), mean, slot.state)
+                slot.version = self._version
+            self._counters.pushes_applied += 1
+            self._counters.record_staleness(0)
         self._sync = SyncClock(spares=self._sync.sums)
         self._open_clock += 1
 
@@ -498,6 +650,7 @@ class ShardStore:
         generation: int = 0,
         clock: int = -1,
         wire_dtype: DType | None = None,
+        session: bytes | None = None,
     ) -> PullSnapshot:
         """A consistent snapshot of every part; parts whose version equals
         ``known_versions[key]`` are skipped. The snapshot holds the variables themselves, without
@@ -511,6 +664,7 @@ class ShardStore:
         never reach. Raises ``NotReadyError`` (not initialised, or too many pulls waiting) or
         ``DeadlineError`` naming the worker it waited for.
         """
+        check_count("clock", max(clock, 0))
         deadline = self._now() + timeout
         with self._lock:
             if worker_id and worker_id not in self._by_id:
@@ -519,15 +673,20 @@ class ShardStore:
                     f"worker id {worker_id} is not registered with this shard "
                     "(it restarted without a checkpoint?): register again"
                 )
+            if worker_id and session is not None:
+                worker = self._by_id[worker_id]
+                if not (worker.secret and hmac.compare_digest(session, worker.secret)):
+                    # A pull as a worker is that worker's: only its session may make it.
+                    self._check_worker(worker_id, generation, session)
         self.wait_ready(timeout)
         with self._changed:
             job = self._job
             assert job is not None
             if clock >= 0 and worker_id:
-                reader = self._check_worker(worker_id, generation)
+                reader = self._check_worker(worker_id, generation, session)
                 if job.consistency.mode is not Mode.ASYNC:
                     self._wait_for_bound(job.consistency, reader, clock, deadline)
-                    self._check_worker(worker_id, generation)  # it may have been evicted meanwhile
+                    self._check_worker(worker_id, generation, session)  # it may have been evicted meanwhile
             out, held = [], []
             for slot in self._slots.values():
                 if known_versions.get(slot.part.key) == slot.version:
@@ -603,6 +762,7 @@ class ShardStore:
                 "pulls_waiting": self._waiting_pulls,
                 "pull_wait_seconds": self._counters.pull_wait_seconds,
                 "workers_evicted": self._counters.workers_evicted,
+                "updates_nonfinite": self._counters.updates_nonfinite,
                 "lease_seconds": self._lease_timeout or 0.0,
                 "max_staleness": self._counters.max_staleness,
                 "staleness_histogram": list(self._counters.staleness_counts),

@@ -8,24 +8,39 @@ its status and the metadata; the lane only carries the bytes a call names (``Bul
 ``ps.proto``, where the frames are specified). A lane serves one call at a time, and any error on
 it (a short read, a timeout, an unexpected frame) ends it: it is closed, never resynchronised.
 
+A lane belongs to one worker session. On accepting it the shard sends a ``GREETING`` with a fresh
+nonce; the worker answers ``AUTH`` with :func:`lane_proof`, an HMAC of the lane and the nonce under
+its session secret (``RegisterResponse.session``), so the secret never crosses the lane and a proof
+is good for that one lane only. The shard answers ``ACCEPT_TAG`` or closes the lane. Either side
+may wrap the TCP connection in TLS first; the frames are the same.
+
 This module holds the framing both sides share; ``psserver.lanes`` and ``psworker.lanes`` are the
 two ends.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import socket
 import struct
+import time
 from collections.abc import Sequence
 
 __all__ = [
-    "GREETING", "GREETING_TAG", "PULL", "PULL_TAG", "PUSH", "PUSH_TAG", "LaneError", "recv_exactly", "recv_into",
-    "send_views",
+    "ACCEPT_TAG", "AUTH", "AUTH_TAG", "GREETING", "GREETING_TAG", "NONCE_BYTES", "PULL", "PULL_TAG", "PUSH",
+    "PUSH_TAG", "LaneError", "lane_proof", "recv_exactly", "recv_into", "send_views",
 ]
 
-GREETING = struct.Struct("<4sQ")
-"""Shard to worker on accept: ``b"PSL1"``, the lane's id."""
-GREETING_TAG = b"PSL1"
+NONCE_BYTES = 16
+GREETING = struct.Struct("<4sQ16s")
+"""Shard to worker on accept: ``b"PSL2"``, the lane's id, a nonce of ``NONCE_BYTES``."""
+GREETING_TAG = b"PSL2"
+AUTH = struct.Struct("<4sQQ32s")
+"""Worker to shard, answering the greeting: ``b"PSAU"``, worker id, generation, ``lane_proof``."""
+AUTH_TAG = b"PSAU"
+ACCEPT_TAG = b"PSOK"
+"""Shard to worker: the lane is open for that session (a refusal closes it instead)."""
 PUSH = struct.Struct("<4sQQ")
 """Worker to shard: ``b"PSPU"``, token, byte count; then the bytes."""
 PUSH_TAG = b"PSPU"
@@ -34,6 +49,7 @@ PULL = struct.Struct("<4sQIQ")
 ``PullHeader`` and the bytes."""
 PULL_TAG = b"PSPL"
 
+_PROOF_CONTEXT = b"pswire-lane-v2"
 _COALESCE = 64 << 10
 """Views shorter than this are joined into one send (a syscall each costs more than the copy)."""
 
@@ -42,20 +58,32 @@ class LaneError(ConnectionError):
     """A lane broke or spoke out of turn; the lane is closed and the call may be retried."""
 
 
-def recv_into(sock: socket.socket, view: memoryview) -> None:
+def lane_proof(secret: bytes, lane_id: int, nonce: bytes) -> bytes:
+    """The 32 bytes that prove a session's secret for one lane: HMAC-SHA256 keyed by ``secret``
+    over ``b"pswire-lane-v2"``, the lane id (u64, little-endian) and the greeting's nonce."""
+    return hmac.new(secret, _PROOF_CONTEXT + struct.pack("<Q", lane_id) + nonce, hashlib.sha256).digest()
+
+
+def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` from ``sock``; raises ``LaneError`` if the peer closes first and
-    ``TimeoutError`` (``socket.timeout``) past the socket's timeout."""
+    ``TimeoutError`` past the socket's timeout, or past ``deadline`` (``time.monotonic()``) for
+    the whole view when one is given (then the socket's timeout is overwritten)."""
     got, size = 0, len(view)
     while got < size:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"lane stalled: {got} of {size} bytes arrived in time")
+            sock.settimeout(remaining)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise LaneError(f"lane closed by the peer after {got} of {size} bytes")
         got += n
 
 
-def recv_exactly(sock: socket.socket, size: int) -> bytes:
+def recv_exactly(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
     buffer = bytearray(size)
-    recv_into(sock, memoryview(buffer))
+    recv_into(sock, memoryview(buffer), deadline)
     return bytes(buffer)
 
 

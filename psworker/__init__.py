@@ -7,7 +7,10 @@
 
 Errors raised are ``pswire.errors`` types (re-exported here): ``PreconditionError`` when the
 model or settings disagree with the job, ``InvalidArgumentError`` for bad input,
-``UnavailableError`` / ``DeadlineError`` when shards cannot be reached in time.
+``UnavailableError`` / ``DeadlineError`` when shards cannot be reached in time,
+``UnauthenticatedError`` / ``PermissionDeniedError`` when the shards want a token or TLS client
+certificate this worker lacks (``ClientOptions(security=ClientSecurity(...))``), and
+``OverloadedError`` when a shard turned a call away (retried with backoff before it is raised).
 """
 
 from pswire.errors import (
@@ -15,19 +18,24 @@ from pswire.errors import (
     FencedError,
     InvalidArgumentError,
     NotReadyError,
+    OverloadedError,
+    PermissionDeniedError,
     PreconditionError,
     PSError,
     TooLargeError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
+from pswire.security import ClientSecurity
 from psworker.api import DistributedOptimizer, Session, connect
 from psworker.client import ClientOptions, PSClient
 from psworker.tasks import Task, TaskDefaults, evaluate, load_task
 
 __all__ = [
     "ClientOptions",
+    "ClientSecurity",
     "Consistency",
     "DeadlineError",
     "DistributedOptimizer",
@@ -35,13 +43,16 @@ __all__ = [
     "InvalidArgumentError",
     "NotReadyError",
     "OptimizerConfig",
+    "OverloadedError",
     "PSClient",
     "PSError",
+    "PermissionDeniedError",
     "PreconditionError",
     "Session",
     "Task",
     "TaskDefaults",
     "TooLargeError",
+    "UnauthenticatedError",
     "UnavailableError",
     "connect",
     "evaluate",

@@ -44,10 +44,15 @@ def connect(
     """Connect to every shard of a job (``"host:port,host:port"`` or a list).
 
     ``worker_name`` identifies this worker across restarts (default: host name and pid); ``job``
-    is a free-form identity every worker of the job must share. ``overlap`` (async jobs only):
+    is a free-form identity every worker of the job must share. ``options`` sets deadlines,
+    compression and credentials: shards that serve TLS or check tokens need
+    ``ClientOptions(security=ClientSecurity(ca_file=..., cert_file=..., key_file=..., token=...))``
+    (``pswire.security``; the files are read when it is built). ``overlap`` (async jobs only):
     each step's push and the pull of the weights for the step after next run in the background
     while the next step computes (see :class:`Session`). Raises ``ValueError`` for malformed
-    addresses and ``UnavailableError`` when a shard does not answer in time.
+    addresses and ``UnavailableError`` when a shard does not answer in time (a failed TLS
+    handshake included); the first call the shards refuse raises ``UnauthenticatedError`` (no
+    token, or one they do not know) or ``PermissionDeniedError`` (a token whose role may not).
     """
     client = PSClient(ps, options)
     try:

@@ -35,6 +35,8 @@ class _ShardSession:
     parts: tuple[Part, ...]
     worker_id: int = 0
     generation: int = 0
+    secret: bytes = field(default=b"", repr=False)
+    """The session secret of this registration: every call of it carries it."""
     sequence: int = 0
     version: int = 0
     clock: int = 0
@@ -65,6 +67,9 @@ class PSClient:
         self.consistency = Consistency()
         """The job's setting, as the shards reported it at registration."""
         self._sessions: list[_ShardSession] = []
+        self._secrets: dict[str, bytes] = {}
+        """Shard address -> this worker's session secret there (a re-registration proves with it
+        that the live registration of its name is its own)."""
         self.lease_seconds = 0.0
         """The shortest lease the shards granted at registration (0: no leases)."""
         self.resume_data: dict[str, int] = {}
@@ -130,9 +135,12 @@ class PSClient:
                 placement_digest=placement.digest(), parts=[p.to_proto() for p in session.parts],
                 optimizer=optimizer_to_proto(optimizer), job_fingerprint=job_fingerprint,
                 consistency=consistency_to_proto(wanted),
+                session=self._secrets.get(session.client.address, b""),
             )
             reply = _retrying(lambda: session.client.register(request), self.options, session.client.address, "register")
-            session.worker_id, session.generation = reply.worker_id, reply.generation
+            self._secrets[session.client.address] = reply.session
+            session.worker_id, session.generation, session.secret = reply.worker_id, reply.generation, reply.session
+            session.client.session = (reply.worker_id, reply.generation, reply.session)
             session.version, session.sequence = reply.version, 0
             session.clock = session.base_clock = reply.clock
             self.consistency = consistency_from_proto(reply.consistency)
@@ -167,7 +175,9 @@ class PSClient:
             with self._lock:
                 sessions = list(self._sessions)
             for session in sessions:
-                request = ps_pb2.HeartbeatRequest(worker_id=session.worker_id, generation=session.generation)
+                request = ps_pb2.HeartbeatRequest(
+                    worker_id=session.worker_id, generation=session.generation, session=session.secret
+                )
                 try:
                     session.client.heartbeat(request, timeout=max(1.0, self.lease_seconds / 3))
                 except errors.FencedError as exc:
@@ -182,7 +192,7 @@ class PSClient:
     def _header(self, session: _ShardSession, base_version: int, parts: Sequence[Part] | None = None) -> ps_pb2.TensorHeader:
         return ps_pb2.TensorHeader(
             worker_id=session.worker_id, generation=session.generation, sequence=session.sequence,
-            base_version=base_version, parts=[p.to_proto() for p in (session.parts if parts is None else parts)],
+            session=session.secret, base_version=base_version, parts=[p.to_proto() for p in (session.parts if parts is None else parts)],
             clock=session.clock, base_clock=session.base_clock,
         )
 
@@ -199,7 +209,7 @@ class PSClient:
                 if ref is not None and ref() is tensor and tensor.data_ptr() == ptr:
                     known[p.key] = version
         wire = self.options.wire_dtype
-        request = ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation,
+        request = ps_pb2.PullRequest(worker_id=session.worker_id, generation=session.generation, session=session.secret,
                                      known_versions=known, clock=clock if may_wait else -1,
                                      wire_dtype=dtype_to_wire(wire) if wire is not None else 0)
         return request, dest, sum(on_wire(p, wire).nbytes for p in session.parts)
@@ -362,7 +372,9 @@ class PSClient:
 
         def one(session: _ShardSession) -> None:
             try:
-                session.client.leave(ps_pb2.LeaveRequest(worker_id=session.worker_id, generation=session.generation))
+                session.client.leave(ps_pb2.LeaveRequest(
+                    worker_id=session.worker_id, generation=session.generation, session=session.secret
+                ))
             except errors.PSError as exc:
                 log.warning("leaving %s: %s", session.client.address, exc)
 

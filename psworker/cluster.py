@@ -9,6 +9,10 @@ With ``--restart`` a process that dies is started again with the same arguments 
 write a checkpoint every ``--checkpoint-every``), and a worker under the same name, so that it
 re-registers and resumes from the data position the shards recorded for it. A worker that exits
 0 has finished and is left alone; a shard that exits at all while the job runs has died.
+
+``--tls`` runs the shards with mutual TLS, with a throwaway CA and certificates made in the run
+directory; ``--auth`` makes them check tokens, fresh ones written there too (workers get theirs
+through the environment, never on a command line). The two go together or alone.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pswire.security import TOKEN_ENV, ClientSecurity, make_dev_pki, write_private_file
 from psworker.config import build_parser
 
 if TYPE_CHECKING:
@@ -44,6 +50,8 @@ _WORKER_STARTED = re.compile(r"\b(?:starts|resumes) at step (\d+)")
 # pscluster sets these itself; a second value would split the job.
 _RESERVED_WORKER_FLAGS = {"--ps", "--worker-index", "--num-workers", "--task", "--local", "--worker-name"}
 _RESERVED_SHARD_FLAGS = {"--host", "--port", "--port-file", "--shard-index", "--num-shards", "--restore"}
+_TLS_WORKER_FLAGS = {"--tls-ca", "--tls-cert", "--tls-key"}
+_TLS_SHARD_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca"}
 
 
 class _Proc:
@@ -189,6 +197,15 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         help="with --restart, how often shards checkpoint (30s: seconds, 500: steps), unless "
                         "--shard-arg sets it; checkpoints go to a fresh directory under the run directory "
                         "unless --shard-arg sets --checkpoint-dir (default: 5s)")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS: make a throwaway CA, a server certificate (names 127.0.0.1, localhost "
+                        "and --host) and a client certificate in the run directory; the shards require the client "
+                        "certificate, which every worker and the final evaluation present")
+    parser.add_argument("--auth", action="store_true",
+                        help="tokens: write fresh worker, reader and admin tokens to a token file in the run "
+                        f"directory (mode 600) for the shards; workers get the worker token through {TOKEN_ENV}, "
+                        "the final evaluation uses the reader token, and the admin token's file is logged for "
+                        "psctl --token-file")
     args, worker_args = parser.parse_known_args(argv)
     if args.shards < 1 or args.workers < 1:
         parser.error("--shards and --workers must be >= 1")
@@ -200,8 +217,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
         parse_schedule(args.checkpoint_every)
     except ValueError as exc:
         parser.error(str(exc))
-    clash = [a for a in worker_args if a.split("=")[0] in _RESERVED_WORKER_FLAGS]
-    clash += [a for a in args.shard_arg if a.split("=")[0] in _RESERVED_SHARD_FLAGS]
+    worker_reserved = _RESERVED_WORKER_FLAGS | (_TLS_WORKER_FLAGS if args.tls else set()) | (
+        {"--token-file"} if args.auth else set())
+    shard_reserved = _RESERVED_SHARD_FLAGS | (_TLS_SHARD_FLAGS if args.tls else set()) | (
+        {"--auth-token-file"} if args.auth else set())
+    clash = [a for a in worker_args if a.split("=")[0] in worker_reserved]
+    clash += [a for a in args.shard_arg if a.split("=")[0] in shard_reserved]
     if clash:
         parser.error(f"pscluster sets {', '.join(clash)} itself")
     # Validate the worker and shard flags now, not in M or N failing children.
@@ -227,6 +248,42 @@ def _shard_config(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, st
     return env, parse_shard_args(args.shard_arg, env)
 
 
+@dataclass
+class _Credentials:
+    """What ``--tls`` and ``--auth`` made for one run: flags for the shards and workers, the
+    workers' environment additions, and the final evaluation's client credentials."""
+
+    shard_args: list[str]
+    worker_args: list[str]
+    worker_env: dict[str, str]
+    evaluation: ClientSecurity | None
+
+
+def _credentials(args: argparse.Namespace, run_dir: Path) -> _Credentials:
+    shard_args: list[str] = []
+    worker_args: list[str] = []
+    worker_env: dict[str, str] = {}
+    client: dict[str, str] = {}
+    if args.tls:
+        pki = make_dev_pki(run_dir / "tls", ["127.0.0.1", "localhost", args.host])
+        shard_args += pki.shard_flags()
+        worker_args += pki.client_flags()
+        client = {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)}
+        log.info("--tls: shards require client certificates signed by the throwaway CA %s", pki.ca)
+    if args.auth:
+        tokens = {role: secrets.token_urlsafe(32) for role in ("worker", "reader", "admin")}
+        token_file = run_dir / "tokens"
+        write_private_file(token_file, "".join(f"{role} {token}\n" for role, token in tokens.items()).encode())
+        for role in ("reader", "admin"):
+            write_private_file(run_dir / f"{role}.token", f"{tokens[role]}\n".encode())
+        shard_args += ["--auth-token-file", str(token_file)]
+        worker_env[TOKEN_ENV] = tokens["worker"]
+        client["token"] = tokens["reader"]
+        log.info("--auth: shards check tokens from %s; for psctl checkpoint: --token-file %s", token_file,
+                 run_dir / "admin.token")
+    return _Credentials(shard_args, worker_args, worker_env, ClientSecurity(**client) if client else None)
+
+
 def _wait_ports(
     shards: list[_Child], files: list[Path], timeout: float, interrupted: threading.Event
 ) -> list[int]:
@@ -249,6 +306,8 @@ class _Cluster:
     def __init__(self, args: argparse.Namespace, worker_args: list[str], run_dir: Path) -> None:
         self.args, self.worker_args, self.run_dir = args, worker_args, run_dir
         self.env, shard = _shard_config(args, run_dir)
+        self.credentials = _credentials(args, run_dir)
+        self.worker_env = dict(self.env, **self.credentials.worker_env)
         self.checkpoint_dir = Path(shard.checkpoint_dir) if shard.checkpoint_dir else None
         self.threads = max(1, (os.cpu_count() or 1) // args.workers)
         self.port_files = [run_dir / f"shard-{i}.port" for i in range(args.shards)]
@@ -265,12 +324,13 @@ class _Cluster:
     def _shard_argv(self, i: int, restore: bool) -> list[str]:
         return [sys.executable, "-m", "psserver", "--host", self.args.host, "--port", str(self.ports[i]),
                 "--port-file", str(self.port_files[i]), "--shard-index", str(i),
-                "--num-shards", str(self.args.shards), *self.args.shard_arg, *(["--restore"] if restore else [])]
+                "--num-shards", str(self.args.shards), *self.credentials.shard_args, *self.args.shard_arg,
+                *(["--restore"] if restore else [])]
 
     def _worker_argv(self, i: int) -> list[str]:
         return [sys.executable, "-m", "psworker", "--ps", self.ps, "--task", self.args.task,
                 "--worker-index", str(i), "--num-workers", str(self.args.workers),
-                "--progress", "log", "--threads", str(self.threads), *self.worker_args]
+                "--progress", "log", "--threads", str(self.threads), *self.credentials.worker_args, *self.worker_args]
 
     def start(self, interrupted: threading.Event) -> None:
         if self.args.restart:
@@ -282,7 +342,8 @@ class _Cluster:
         self.ps = ",".join(f"{self.args.host}:{p}" for p in self.ports)
         log.info("%d shard(s) listening: %s", self.args.shards, self.ps)
         self.workers = [
-            _Child(f"worker{i}", "worker", i, _Proc(f"worker{i}", self._worker_argv(i), self.env, _WORKER_STARTED))
+            _Child(f"worker{i}", "worker", i,
+                   _Proc(f"worker{i}", self._worker_argv(i), self.worker_env, _WORKER_STARTED))
             for i in range(self.args.workers)
         ]
 
@@ -308,7 +369,7 @@ class _Cluster:
             log.warning("%s (pid %d) died: %s; restarting it (restart %d of %d) with the same flags: it "
                         "re-registers and resumes from the data position the shards recorded", child.name,
                         old_pid, reason, child.restarts, self.args.max_restarts)
-            child.proc = _Proc(child.name, self._worker_argv(child.index), self.env, _WORKER_STARTED)
+            child.proc = _Proc(child.name, self._worker_argv(child.index), self.worker_env, _WORKER_STARTED)
         child.recovering = _Recovery(child.name, reason, old_pid, child.proc.popen.pid, died_at)
         self.recoveries.append(child.recovering)
 
@@ -387,9 +448,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(r is None for r in results):
             log.error("a worker exited without printing its result")
             return 1
+        from psworker.client import ClientOptions
         from psworker.training import evaluate_job  # imports torch: only once training is done
 
-        final = evaluate_job(cluster.ps, args.task, seed=args.seed)
+        final = evaluate_job(cluster.ps, args.task, seed=args.seed,
+                             options=ClientOptions(security=cluster.credentials.evaluation))
         losses = [r["final_loss"] for r in results if r["final_loss"] is not None]
         summary = {
             "task": args.task,

@@ -1,17 +1,19 @@
 """Worker configuration: one frozen dataclass, built once in ``main()`` from flags, then
 ``PSWORKER_*`` environment variables, then defaults (flags win). Only this module reads ``argv``
-and the environment."""
+and the environment (``PSGRPC_TOKEN`` included: a token is never a flag's value)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from pswire.consistency import Consistency
 from pswire.flags import add_fields, parse
 from pswire.optim import OPTIMIZERS, OptimizerConfig
+from pswire.security import TOKEN_ENV, ClientSecurity, client_security
 
 __all__ = ["WorkerConfig", "build_parser", "parse_args"]
 
@@ -70,8 +72,24 @@ class WorkerConfig:
                          "results go to \"evals\" in the JSON line.")
     record_losses: bool = _f(False, "Include every step's loss in the JSON result (\"losses\").", flag=True)
     log_level: str = _f("INFO", "Logging level.")
+    tls_ca: str | None = _f(None, "PEM bundle of the CA that signed the shards' certificates: talk TLS to them "
+                            "(their certificates must name the host in --ps).")
+    tls_cert: str | None = _f(None, "PEM certificate of this worker, for shards that require client certificates "
+                              "(mutual TLS; needs --tls-ca and --tls-key).")
+    tls_key: str | None = _f(None, "PEM private key of --tls-cert.")
+    token_file: str | None = _f(None, f"File holding the bearer token this worker sends (its whole content); "
+                                f"without it, the {TOKEN_ENV} environment variable, if set. Never a flag's value: "
+                                "command lines are visible to every user of the machine.")
+    token: InitVar[str | None] = None
+    """The token from ``PSGRPC_TOKEN`` (``parse_args``), used when no ``token_file`` is given. Not
+    a field: it has no flag, and it is kept only inside ``security`` (never in ``repr``); a
+    ``dataclasses.replace`` must pass it again."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, token: str | None) -> None:
+        object.__setattr__(self, "_security", client_security(
+            tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, token_file=self.token_file,
+            env_token=token,
+        ))
         if not self.local and not self.ps:
             raise ValueError("give --ps HOST:PORT[,HOST:PORT...] (or --local to train without a server)")
         if self.steps is not None and self.steps < 1:
@@ -100,6 +118,11 @@ class WorkerConfig:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
         if min(self.log_every, self.rpc_timeout, self.connect_timeout, self.wait_timeout) <= 0:
             raise ValueError("--log-every, --rpc-timeout, --connect-timeout and --wait-timeout must be > 0")
+
+    @property
+    def security(self) -> ClientSecurity | None:
+        """TLS and token settings for ``ClientOptions.security``; None when none are set."""
+        return self._security
 
     def consistency(self) -> Consistency:
         """The consistency setting asked for; raises ``ValueError`` when inconsistent."""
@@ -148,4 +171,12 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     """Flags, then ``PSWORKER_<FIELD>`` variables, then defaults. Exits with a usage error
     naming the problem on invalid input."""
     env = os.environ if env is None else env
-    return parse(WorkerConfig, build_parser(), argv, env, "PSWORKER")
+    parser = build_parser()
+    config = parse(WorkerConfig, parser, argv, env, "PSWORKER")
+    token = env.get(TOKEN_ENV)
+    if token is None or config.token_file or config.local:
+        return config
+    try:
+        return dataclasses.replace(config, token=token)
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -2,24 +2,38 @@
 
     psctl status --ps HOST:PORT[,HOST:PORT...] [--json]
     psctl checkpoint --ps HOST:PORT[,HOST:PORT...] [--id N]
+
+Both take ``--tls-ca F [--tls-cert F --tls-key F]`` for shards that serve TLS, and the token from
+``--token-file F`` or the ``PSGRPC_TOKEN`` environment variable for shards that check tokens
+(status needs the reader role, checkpoint the admin role). This module is psctl's configuration
+too: it alone reads its flags and environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from pswire.errors import PSError
+from pswire.security import TOKEN_ENV, ClientSecurity, client_security
 from psworker.client import ClientOptions, PSClient
 
-__all__ = ["main"]
+__all__ = ["default_checkpoint_id", "main"]
 
 
-def _status(ps: str, timeout: float) -> list[dict]:
-    with PSClient(ps, ClientOptions(timeout=timeout, connect_timeout=timeout)) as client:
+def default_checkpoint_id(now: float, last_ids: Iterable[int]) -> int:
+    """The id of a checkpoint asked for without ``--id``: the wall clock in whole seconds, or
+    one past the newest id any shard reports if that is later (shards require increasing ids,
+    and ones at most about an hour ahead of their clock in seconds)."""
+    return max(int(now), 1 + max(last_ids, default=0))
+
+
+def _status(ps: str, timeout: float, security: ClientSecurity | None) -> list[dict]:
+    with PSClient(ps, ClientOptions(timeout=timeout, connect_timeout=timeout, security=security)) as client:
         client.wait_connected()
         return [_plain(s) for s in client.status()]
 
@@ -85,23 +99,47 @@ def _table(shards: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _add_security(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--tls-ca", help="PEM bundle of the CA that signed the shards' certificates (TLS)")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for shards that require one (mutual TLS)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    roles = "the admin role" if role == "admin" else f"the {role} role or above"
+    parser.add_argument("--token-file", help=f"file holding a token of {roles}, for shards that check tokens; "
+                        f"default: the {TOKEN_ENV} environment variable")
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
     parser = argparse.ArgumentParser(prog="psctl", description="Inspect parameter-server shards.")
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="per shard: variables, bytes, version, workers, pushes")
     status.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...]")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default: 10)")
+    _add_security(status, "reader")
     ckpt = sub.add_parser("checkpoint", help="write a checkpoint on every shard now")
     ckpt.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...]")
-    ckpt.add_argument("--id", type=int, default=None, help="checkpoint id (default: milliseconds since the epoch)")
+    ckpt.add_argument("--id", type=int, default=None,
+                      help="checkpoint id, larger than every earlier one (default: the current time in seconds, "
+                      "or one past the newest id the shards report if that is later)")
     ckpt.add_argument("--timeout", type=float, default=300.0, help="seconds per call (default: 300)")
+    _add_security(ckpt, "admin")
     args = parser.parse_args(argv)
+    try:
+        security = client_security(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                   token_file=args.token_file, env_token=env.get(TOKEN_ENV))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.command == "checkpoint":
-        checkpoint_id = args.id or int(time.time() * 1000)
+        if args.id is not None and args.id < 1:
+            parser.error(f"--id must be >= 1, got {args.id}")
+        checkpoint_id = args.id
         try:
-            with PSClient(args.ps, ClientOptions(timeout=args.timeout, connect_timeout=10)) as client:
+            options = ClientOptions(timeout=args.timeout, connect_timeout=10, security=security)
+            with PSClient(args.ps, options) as client:
                 client.wait_connected()
+                if checkpoint_id is None:
+                    checkpoint_id = default_checkpoint_id(time.time(), (s.last_checkpoint_id for s in client.status()))
                 replies = client.checkpoint(checkpoint_id)
         except (PSError, ValueError) as exc:
             print(f"psctl: {exc}", file=sys.stderr)
@@ -112,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"checkpoint {checkpoint_id} {'complete' if complete else 'INCOMPLETE'} on {len(replies)} shard(s)")
         return 0 if complete else 1
     try:
-        shards = _status(args.ps, args.timeout)
+        shards = _status(args.ps, args.timeout, security)
     except (PSError, ValueError) as exc:
         print(f"psctl: {exc}", file=sys.stderr)
         return 1

@@ -1,39 +1,48 @@
 """The worker's end of the bulk lanes (``pswire.lanes``): a small pool of connections to one
-shard's bulk port, each used by one call at a time.
+shard's bulk port, each opened for the worker's session there and used by one call at a time.
 
 Lanes are an optimisation, never a requirement: when a shard offers none, or its bulk port cannot
-be reached (a firewall, a port mapping that only publishes the gRPC port), the pool says so once,
-and the calls go through gRPC alone until it tries again a little later.
+be reached (a firewall, a port mapping that only publishes the gRPC port) or refuses the lane,
+the pool says so once, and the calls go through gRPC alone until it tries again a little later.
+Before the worker has a session there (``credentials`` gives None) the calls simply use gRPC.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pswire import lanes as wire
 
-__all__ = ["Lane", "LanePool"]
+__all__ = ["Credentials", "Lane", "LanePool"]
 
 log = logging.getLogger(__name__)
 
+Credentials = Callable[[], "tuple[int, int, bytes] | None"]
+"""``() -> (worker_id, generation, session secret)`` of the worker's session on the shard, or
+None while it has none."""
+
 CONNECT_SECONDS = 2.0
-"""How long a lane may take to connect before the pool falls back to gRPC."""
+"""How long a lane may take to connect and authenticate before the pool falls back to gRPC."""
 RETRY_SECONDS = 30.0
-"""How long the pool sends everything through gRPC after a lane failed to connect."""
+"""How long the pool sends everything through gRPC after a lane failed to open."""
 
 
 class Lane:
-    """One connection to a shard's bulk port. Every method raises ``pswire.lanes.LaneError`` or
-    ``OSError`` (``TimeoutError`` past ``timeout``) when the lane breaks; the caller then closes it."""
+    """One authenticated connection to a shard's bulk port. Every method raises
+    ``pswire.lanes.LaneError`` or ``OSError`` (``TimeoutError`` past ``timeout``) when the lane
+    breaks; the caller then closes it. Only one thread uses it at a time, but ``abort`` may come
+    from any thread."""
 
-    def __init__(self, sock: socket.socket, lane_id: int, port: int) -> None:
+    def __init__(self, sock: socket.socket, lane_id: int, port: int, epoch: int = 0) -> None:
         self.sock = sock
         self.lane_id = lane_id
         self.port = port
+        self.epoch = epoch
         self._token = 0
         self._header = memoryview(bytearray(wire.PULL.size))
 
@@ -63,7 +72,9 @@ class Lane:
     def abort(self) -> None:
         """Wake a thread blocked on this lane (its call failed); the lane is then closed."""
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            # The plain socket's shutdown, also under TLS: it leaves the TLS state to the thread
+            # using the lane, whose next read or write fails.
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
         except OSError:
             pass
 
@@ -73,47 +84,97 @@ class Lane:
 
 
 class LanePool:
-    """Lanes to ``host:port`` (the port is learnt at registration; 0: the shard has none)."""
+    """Lanes to ``host:port`` (the port is learnt at registration; 0: the shard has none).
 
-    def __init__(self, host: str, *, enabled: bool = True) -> None:
+    ``ssl_context`` (client side) wraps each lane in TLS, checking the shard's certificate for
+    ``server_hostname`` (default: ``host``); ``credentials`` names the session a lane is opened
+    for (without it, no lane is opened)."""
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        enabled: bool = True,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
         self.host = host
         self.port = 0
         self._enabled = enabled
-        self._lock = threading.Lock()
+        self._ssl_context = ssl_context
+        self._server_hostname = server_hostname or host
+        self._credentials = credentials
+        self._lock = threading.Lock()  # guards port, _epoch, _idle, _retry_at, _closed
+        self._epoch = 0
+        """Bumped by ``set_port``: lanes of an earlier registration are never pooled again."""
         self._idle: list[Lane] = []
         self._retry_at = 0.0
         self._closed = False
 
     def set_port(self, port: int) -> None:
         """The shard's bulk port, from its RegisterResponse. Idle lanes are dropped: a worker
-        registers again after the shard restarted, and its old lanes are dead then."""
+        registers again after the shard restarted or its session ended, and its old lanes belong
+        to the old session."""
         with self._lock:
             self.port, stale, self._idle = port, self._idle, []
+            self._epoch += 1
             self._retry_at = 0.0
         for lane in stale:
             lane.close()
 
     def take(self) -> Lane | None:
-        """An idle lane or a new one; None when lanes are off or unreachable (use gRPC)."""
+        """An idle lane or a new one; None when lanes are off, unreachable or refused, or the
+        worker has no session yet (use gRPC)."""
         with self._lock:
             if not self._enabled or self._closed or not self.port or time.monotonic() < self._retry_at:
                 return None
             if self._idle:
                 return self._idle.pop()
-            port = self.port
+            port, epoch = self.port, self._epoch
+        credentials = self._credentials() if self._credentials is not None else None
+        if credentials is None:
+            return None
         try:
             sock = socket.create_connection((self.host, port), timeout=CONNECT_SECONDS)
         except OSError as exc:
             return self._unreachable(port, exc)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            tag, lane_id = wire.GREETING.unpack(wire.recv_exactly(sock, wire.GREETING.size))
-            if tag != wire.GREETING_TAG:
-                raise wire.LaneError(f"not a bulk port: it greeted with {tag!r}")
+            sock = self._open(sock)
+            lane_id = self._authenticate(sock, credentials)
         except (OSError, wire.LaneError) as exc:
             sock.close()
             return self._unreachable(port, exc)
-        return Lane(sock, lane_id, port)
+        return Lane(sock, lane_id, port, epoch)
+
+    def _open(self, sock: socket.socket) -> socket.socket:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl_context is None:
+            return sock
+        try:
+            return self._ssl_context.wrap_socket(sock, server_hostname=self._server_hostname)
+        except BaseException:
+            sock.close()
+            raise
+
+    @staticmethod
+    def _authenticate(sock: socket.socket, credentials: tuple[int, int, bytes]) -> int:
+        """Answer the shard's greeting with the session's proof; the lane's id once accepted."""
+        deadline = time.monotonic() + CONNECT_SECONDS
+        tag, lane_id, nonce = wire.GREETING.unpack(wire.recv_exactly(sock, wire.GREETING.size, deadline))
+        if tag != wire.GREETING_TAG:
+            raise wire.LaneError(f"not a bulk port of this version: it greeted with {tag!r}")
+        worker_id, generation, secret = credentials
+        proof = wire.lane_proof(secret, lane_id, nonce)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.sendall(wire.AUTH.pack(wire.AUTH_TAG, worker_id, generation, proof))
+        try:
+            answer = wire.recv_exactly(sock, len(wire.ACCEPT_TAG), deadline)
+        except wire.LaneError:
+            raise wire.LaneError(f"the shard refused a lane for session {worker_id}/{generation}") from None
+        if answer != wire.ACCEPT_TAG:
+            raise wire.LaneError(f"the shard answered the lane's authentication with {answer!r}")
+        return lane_id
 
     def _unreachable(self, port: int, exc: Exception) -> None:
         with self._lock:
@@ -127,7 +188,7 @@ class LanePool:
     def give(self, lane: Lane) -> None:
         """Return a lane after a call that succeeded (after a failure: ``lane.close()``)."""
         with self._lock:
-            if not self._closed and lane.port == self.port:
+            if not self._closed and lane.port == self.port and lane.epoch == self._epoch:
                 self._idle.append(lane)
                 return
         lane.close()

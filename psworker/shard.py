@@ -1,11 +1,13 @@
-"""One shard's gRPC stub, ``ShardClient``, with its retries, deadlines, error translation and
-bulk lanes. ``grpc.RpcError`` becomes a ``pswire.errors`` error here and nowhere else.
+"""One shard's gRPC stub, ``ShardClient``, with its retries, deadlines, error translation,
+credentials (TLS, bearer token: ``ClientOptions.security``) and bulk lanes. ``grpc.RpcError``
+becomes a ``pswire.errors`` error here and nowhere else.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,6 +20,7 @@ import torch
 from pswire import errors, frames
 from pswire.dtypes import dtype_of
 from pswire.lanes import LaneError
+from pswire.security import TOKEN_ENV, ClientSecurity, host_of
 from pswire.codec import (
     DEFAULT_CHUNK_BYTES, WIRE_DTYPES, ChunkAssembler, Part, on_wire, wire_dtype_from_proto,
 )
@@ -25,7 +28,7 @@ from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psworker.lanes import Lane, LanePool
 from psworker.tensors import tensor_bytes, torch_dtype
 
-__all__ = ["KEEPALIVE_MS", "SERVICE", "ClientOptions", "ShardClient", "parse_addresses"]
+__all__ = ["KEEPALIVE_MS", "SERVICE", "ClientOptions", "ClientSecurity", "ShardClient", "parse_addresses"]
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +54,23 @@ _SERVICE_CONFIG = json.dumps({
 
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.PSError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.TooLargeError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.TooLargeError,  # OverloadedError when retryable: _translate
+    grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.PreconditionError,
     grpc.StatusCode.ABORTED: errors.FencedError,
     grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineError,
+}
+
+_RETRYABLE = ("ps-retryable", "1")
+"""Trailing metadata of a RESOURCE_EXHAUSTED that is the shard's admission control."""
+_GRPC_OVERLOAD = "Concurrent RPC limit exceeded"
+"""gRPC's own refusal beyond the server's ``maximum_concurrent_rpcs`` (no metadata)."""
+_HINTS = {
+    errors.UnauthenticatedError: f"give the shard's token with --token-file FILE or the {TOKEN_ENV} environment "
+                                 "variable (in code: ClientOptions(security=ClientSecurity(token=...)))",
+    errors.PermissionDeniedError: f"use a token of the role named (--token-file FILE or {TOKEN_ENV})",
 }
 
 
@@ -100,6 +115,9 @@ class ClientOptions:
     bulk: bool = True
     """Send the bytes of larger pushes and pulls on the shard's bulk lanes (plain TCP beside the
     gRPC call, ``pswire.lanes``) when it offers them; False: every byte goes through gRPC."""
+    security: ClientSecurity | None = None
+    """TLS (the shards' CA; a client certificate for mutual TLS) and the bearer token every call
+    carries; None: plaintext without a token."""
 
     def __post_init__(self) -> None:
         if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout) <= 0:
@@ -121,29 +139,51 @@ class ClientOptions:
         return self.timeout + nbytes / self.min_bandwidth
 
 
-def _retrying(call, options: ClientOptions, address: str, what: str):
-    """Run ``call`` until it succeeds, retrying with backoff while the shard is unreachable or
-    does not answer in time (a restart, a partition), up to ``options.retry_timeout``. A retried
-    push carries the same sequence number, so a shard that did apply it acknowledges it again
-    instead of applying it twice."""
-    deadline = time.monotonic() + options.retry_timeout
+_TRANSIENT = (errors.UnavailableError, errors.DeadlineError, errors.OverloadedError)
+
+
+def _retrying(call, options: ClientOptions, address: str, what: str,
+              retry: tuple[type[errors.PSError], ...] = _TRANSIENT, within: float | None = None):
+    """Run ``call`` until it succeeds, retrying with backoff while the shard is unreachable,
+    does not answer in time (a restart, a partition) or turns the call away as overloaded (the
+    errors in ``retry``), for up to ``within`` seconds (default ``options.retry_timeout``). A
+    retried push carries the same sequence number, so a shard that did apply it acknowledges it
+    again instead of applying it twice; an overloaded call never ran at all."""
+    within = options.retry_timeout if within is None else within
+    deadline = time.monotonic() + within
     backoff = 0.1
     while True:
         try:
             return call()
-        except (errors.UnavailableError, errors.DeadlineError) as exc:
-            if time.monotonic() + backoff > deadline:
-                raise type(exc)(f"{exc} (gave up after {options.retry_timeout:.0f}s)") from exc
-            log.warning("%s to %s failed (%s); retrying in %.1fs", what, address, exc, backoff)
-            threading.Event().wait(backoff)  # a plain timed wait; nothing can end it early
+        except retry as exc:
+            # Jitter, so that the callers an overloaded shard turned away together do not return together.
+            pause = backoff * random.uniform(0.5, 1.0)
+            if time.monotonic() + pause > deadline:
+                raise type(exc)(f"{exc} (gave up after {within:.0f}s)") from exc
+            level = logging.INFO if isinstance(exc, errors.OverloadedError) else logging.WARNING
+            log.log(level, "%s to %s failed (%s); retrying in %.2fs", what, address, exc, pause)
+            threading.Event().wait(pause)  # a plain timed wait; nothing can end it early
             backoff = min(backoff * 2, 5.0)
+
+
+def _overloaded(exc: grpc.RpcError, details: str) -> bool:
+    """Whether a RESOURCE_EXHAUSTED is admission control (retry later), not a request too large."""
+    try:
+        trailing = exc.trailing_metadata() or ()
+    except (AttributeError, ValueError):
+        trailing = ()
+    return any(tuple(item) == _RETRYABLE for item in trailing) or _GRPC_OVERLOAD in (details or "")
 
 
 def _translate(exc: grpc.RpcError, address: str) -> errors.PSError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     cls = _CODE_TO_ERROR.get(code, errors.PSError)
-    return cls(f"shard {address}: {details} ({code.name})")
+    if cls is errors.TooLargeError and _overloaded(exc, details):
+        cls = errors.OverloadedError
+    # Only a refused token gets the hint (UNAUTHENTICATED also answers a wrong session secret).
+    hint = _HINTS.get(cls) if "token" in (details or "") else None
+    return cls(f"shard {address}: {details} ({code.name})" + (f"; {hint}" if hint else ""))
 
 
 class ShardClient:
@@ -152,26 +192,38 @@ class ShardClient:
     def __init__(self, address: str, options: ClientOptions) -> None:
         self.address = address
         self.options = options
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
-                ("grpc.max_send_message_length", _MESSAGE_LIMIT),
-                ("grpc.enable_retries", 1),
-                ("grpc.service_config", _SERVICE_CONFIG),
-                # Reconnect quickly to a shard that restarts (the default backoff grows to 2 min).
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-                # Find a connection that went dead (a partition) by pings, rather than waiting out
-                # TCP's retransmission backoff once the network heals; the shards allow this rate.
-                ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-                ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.max_pings_without_data", 0),
-            ],
-        )
+        security = options.security
+        credentials = security.channel_credentials() if security is not None else None
+        self._metadata = security.metadata() if security is not None else None
+        """Sent with every call and stream (the token): call credentials would need TLS."""
+        self.session: tuple[int, int, bytes] | None = None
+        """(worker id, generation, session secret) of this worker's registration on the shard,
+        set by ``PSClient`` after Register; a bulk lane proves it when it opens."""
+        channel_options = [
+            ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
+            ("grpc.max_send_message_length", _MESSAGE_LIMIT),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", _SERVICE_CONFIG),
+            # Reconnect quickly to a shard that restarts (the default backoff grows to 2 min).
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            # Find a connection that went dead (a partition) by pings, rather than waiting out
+            # TCP's retransmission backoff once the network heals; the shards allow this rate.
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        if credentials is not None:
+            self._channel = grpc.secure_channel(address, credentials, options=channel_options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=channel_options)
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
-        self.lanes = LanePool(address.rpartition(":")[0].strip("[]"), enabled=options.bulk)
+        host = host_of(address)
+        self.lanes = LanePool(
+            host, enabled=options.bulk, ssl_context=security.ssl_context() if security is not None else None,
+            server_hostname=host, credentials=lambda: self.session,
+        )
         self._narrow: dict[Part, torch.Tensor] = {}
         """Reused receive buffers of compressed parts (see ``ClientOptions.wire_dtype``)."""
         self._parts: dict[tuple, Part] = {}
@@ -195,15 +247,22 @@ class ShardClient:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
+            security = self.options.security
+            if security is not None and security.tls:
+                hint = (f"a failed TLS handshake looks the same: check that --tls-ca signed the shard's "
+                        f"certificate, that the certificate names {host_of(self.address)}, that the shard serves "
+                        "TLS, and give --tls-cert/--tls-key if it requires client certificates")
+            else:
+                hint = "if the shard serves TLS, give --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
             raise errors.UnavailableError(
-                f"shard {self.address} did not accept a connection within {timeout:.0f}s"
+                f"shard {self.address} did not accept a connection within {timeout:.0f}s ({hint})"
             ) from None
 
     def _call(self, method, request, *, nbytes: int = 0, timeout: float | None = None, wait_for_ready: bool = True):
         try:
             return method(
                 request, timeout=self.options.deadline(nbytes) if timeout is None else timeout,
-                wait_for_ready=wait_for_ready,
+                wait_for_ready=wait_for_ready, metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             raise _translate(exc, self.address) from exc
@@ -214,7 +273,10 @@ class ShardClient:
         return reply
 
     def status(self) -> ps_pb2.StatusResponse:
-        return self._call(self._stub.Status, ps_pb2.StatusRequest())
+        """The shard's status; retried while the shard turns it away as overloaded, for up to
+        one small call's deadline (``options.timeout``)."""
+        return _retrying(lambda: self._call(self._stub.Status, ps_pb2.StatusRequest()), self.options, self.address,
+                         "status", retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def _stream(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]
@@ -252,7 +314,7 @@ class ShardClient:
         try:
             if stage is not None:
                 lane.stage(*stage, timeout)
-            call = method.future(request, timeout=timeout, wait_for_ready=True)
+            call = method.future(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
             if receive is not None:
                 # A call that fails never sends on the lane: wake the reader instead of waiting.
                 call.add_done_callback(lambda c: c.code() is not grpc.StatusCode.OK and lane.abort())
@@ -292,14 +354,18 @@ class ShardClient:
         return header, versions
 
     def leave(self, request: ps_pb2.LeaveRequest) -> None:
-        self._call(self._stub.Leave, request)
+        # Leave is never capped by admission control; gRPC's own limit may still turn it away.
+        _retrying(lambda: self._call(self._stub.Leave, request), self.options, self.address, "leave",
+                  retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def heartbeat(self, request: ps_pb2.HeartbeatRequest, timeout: float) -> ps_pb2.HeartbeatResponse:
         # No wait_for_ready: a heartbeat to an unreachable shard fails fast and the next one retries.
         return self._call(self._stub.Heartbeat, request, timeout=timeout, wait_for_ready=False)
 
     def checkpoint(self, request: ps_pb2.CheckpointRequest) -> ps_pb2.CheckpointResponse:
-        return self._call(self._stub.Checkpoint, request)
+        """Retried only while the shard turns it away as overloaded (it then never started)."""
+        return _retrying(lambda: self._call(self._stub.Checkpoint, request), self.options, self.address,
+                         "checkpoint", retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
@@ -322,9 +388,9 @@ class ShardClient:
             return received
         try:
             if nbytes <= self.options.inline_bytes:
-                reply = self._stub.PullInline(request, timeout=timeout, wait_for_ready=True)
+                reply = self._stub.PullInline(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
                 return self._write_inline(reply, destinations)
-            stream = self._pull_stream(request, timeout=timeout, wait_for_ready=True)
+            stream = self._pull_stream(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
             first = next(stream, None)
             if not isinstance(first, ps_pb2.PullMessage) or first.WhichOneof("kind") != "header":
                 raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
@@ -371,7 +437,7 @@ class ShardClient:
             receive = lambda: self._receive_on_lane(lane, token, destinations, timeout)  # noqa: E731
         if lane is None:
             try:
-                reply = self._stub.PushPull(call, timeout=timeout, wait_for_ready=True)
+                reply = self._stub.PushPull(call, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise _translate(exc, self.address) from exc
             return (reply.push, *self._write_inline(reply.pull, destinations))

@@ -142,7 +142,7 @@ def train(config: WorkerConfig) -> dict:
     else:
         options = ClientOptions(
             timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
-            wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk,
+            wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk, security=config.security,
         )
         session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options,
                           overlap=config.overlap)

@@ -354,7 +354,7 @@ class StalenessBucket(_message.Message):
     def __init__(self, staleness: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds", "last_checkpoint_id", "last_checkpoint_path", "checkpoint_dir", "push_bytes_in_flight", "push_bytes_in_flight_peak", "max_inflight_bytes")
+    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds", "last_checkpoint_id", "last_checkpoint_path", "checkpoint_dir", "push_bytes_in_flight", "push_bytes_in_flight_peak", "max_inflight_bytes", "updates_nonfinite")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +389,7 @@ class StatusResponse(_message.Message):
     PUSH_BYTES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PUSH_BYTES_IN_FLIGHT_PEAK_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     address: str
     shard_index: int
     num_shards: int
@@ -423,7 +424,8 @@ class StatusResponse(_message.Message):
     push_bytes_in_flight: int
     push_bytes_in_flight_peak: int
     max_inflight_bytes: int
-    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., push_bytes_in_flight: _Optional[int] = ..., push_bytes_in_flight_peak: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ...) -> None: ...
+    updates_nonfinite: int
+    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., push_bytes_in_flight: _Optional[int] = ..., push_bytes_in_flight_peak: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., updates_nonfinite: _Optional[int] = ...) -> None: ...
 
 class InlinePull(_message.Message):
     __slots__ = ("header", "data", "bulk_bytes")

@@ -75,6 +75,7 @@ CHUNK = 8
 class Worker:
     worker_id: int
     generation: int
+    session: bytes = b""
 
 
 @dataclass
@@ -111,14 +112,14 @@ def register_request(name: str = "worker-0", **overrides) -> ps_pb2.RegisterRequ
 
 def register(stub, name: str = "worker-0", **overrides) -> tuple[Worker, ps_pb2.RegisterResponse]:
     reply = stub.Register(register_request(name, **overrides), timeout=RPC_TIMEOUT)
-    return Worker(reply.worker_id, reply.generation), reply
+    return Worker(reply.worker_id, reply.generation, reply.session), reply
 
 
 def header(
     worker: Worker, specs: Sequence[ps_pb2.PartSpec], *, base_version: int = 0, sequence: int = 0
 ) -> ps_pb2.TensorMessage:
     return ps_pb2.TensorMessage(header=ps_pb2.TensorHeader(
-        worker_id=worker.worker_id, generation=worker.generation, sequence=sequence,
+        worker_id=worker.worker_id, generation=worker.generation, sequence=sequence, session=worker.session,
         base_version=base_version, parts=list(specs),
     ))
 
@@ -274,8 +275,9 @@ def test_register_initialize_pull_push_round_trip(shard, stub):
     w1, r1 = register(stub, "worker-1")
     assert (r1.must_initialize, r1.generation) == (False, 1)
     assert w1.worker_id != w0.worker_id
-    # The same name again is the same worker in a new generation; it is still the initialiser.
-    w0b, r0b = register(stub, "worker-0")
+    # The same name again, by its own session, is the same worker in a new generation; it is still
+    # the initialiser.
+    w0b, r0b = register(stub, "worker-0", session=w0.session)
     assert (w0b.worker_id, w0b.generation, r0b.must_initialize) == (w0.worker_id, 2, True)
     assert status(stub).state == "initializing"
 
@@ -658,7 +660,7 @@ def test_push_by_unregistered_worker_is_refused(ready):
 
 def test_push_by_stale_generation_is_refused(ready):
     old, _ = register(ready.stub, "worker-1")
-    new, _ = register(ready.stub, "worker-1")
+    new, _ = register(ready.stub, "worker-1", session=old.session)
     assert (new.worker_id, new.generation) == (old.worker_id, old.generation + 1)
     before, before_status = pull(ready.stub), status(ready.stub)
     expect_rpc_error(lambda: push(ready.stub, old, GRADS, base_version=1),
@@ -778,7 +780,7 @@ def _preinitialised_store() -> tuple[ShardStore, Worker]:
         worker_name="worker-0", shard_index=0, num_shards=1, placement_digest=DIGEST,
         parts=PARTS, optimizer=SGD, job_fingerprint=JOB,
     ))
-    worker = Worker(result.worker_id, result.generation)
+    worker = Worker(result.worker_id, result.generation, result.session)
     assert store.initialize(worker.worker_id, worker.generation, [INITIAL[p.key].numpy().copy() for p in PARTS]) == (True, 0)
     return store, worker
 
@@ -819,7 +821,7 @@ def test_shard_client_maps_status_codes_to_domain_errors(ready, make_shard):
         assert address in str(info.value) and "NaN" in str(info.value) and "INVALID_ARGUMENT" in str(info.value)
         assert isinstance(info.value.__cause__, grpc.RpcError)
 
-        stale = Worker(ready.worker.worker_id, ready.worker.generation - 1)
+        stale = Worker(ready.worker.worker_id, ready.worker.generation - 1, ready.worker.session)
         with pytest.raises(errors.PreconditionError) as info:
             client.push(_client_header(stale, ["w"], 1), [tensor_bytes(GRADS["w"])])
         assert address in str(info.value) and "re-register" in str(info.value)
@@ -923,9 +925,12 @@ def test_concurrent_initialize_applies_exactly_one_upload_whole(stub):
     with futures.ThreadPoolExecutor(max_workers=2) as pool:
         a = pool.submit(initialize, stub, first, INITIAL)
         b = pool.submit(initialize, stub, second, other)
-        applied = [a.result(timeout=RPC_TIMEOUT).applied, b.result(timeout=RPC_TIMEOUT).applied]
-    assert sorted(applied) == [False, True]
-    assert pull(stub).data == raw(INITIAL if applied[0] else other)
+        assert a.result(timeout=RPC_TIMEOUT).applied
+        try:  # only the chosen initialiser uploads: the other is told so, or that it is done
+            assert not b.result(timeout=RPC_TIMEOUT).applied
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "not chosen" in exc.details()
+    assert pull(stub).data == raw(INITIAL)
 
 
 @pytest.mark.parametrize("how", ["cancelled", "deadline"])
@@ -1022,6 +1027,7 @@ def test_push_pull_applies_once_and_returns_the_values_after_the_push(ready):
     call = ps_pb2.PushPullRequest(
         push=inline_push(ready.worker, GRADS, base_version=1, sequence=1),
         pull=ps_pb2.PullRequest(worker_id=ready.worker.worker_id, generation=ready.worker.generation,
+                                session=ready.worker.session,
                                 known_versions={"scale": 1}, clock=-1),
     )
     expected = raw(sgd_step(ready.values, GRADS))

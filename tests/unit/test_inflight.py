@@ -40,3 +40,33 @@ def test_zero_means_no_bound():
     assert budget.held == 3 << 40
     with pytest.raises(ValueError):
         InflightBudget(-1)
+
+
+def test_a_transfer_holds_only_the_bytes_it_received():
+    budget = InflightBudget(100)
+    trickle = budget.transfer()
+    assert trickle.acquire(1, timeout=0)  # announced 8 GiB, sent one byte
+    assert budget.held == 1
+    with budget.transfer() as real:
+        assert real.acquire(90, timeout=0)
+        assert budget.held == 91
+    assert budget.held == 1
+    trickle.close()
+    trickle.close()
+    assert budget.held == 0
+
+
+def test_the_oldest_transfer_is_always_admitted_so_pieces_cannot_deadlock():
+    budget = InflightBudget(100)
+    old, young = budget.transfer(), budget.transfer()
+    assert young.acquire(60, timeout=0)
+    assert old.acquire(60, timeout=0)  # over the limit, but the oldest open transfer goes on
+    assert not young.acquire(60, timeout=0.05)  # the younger one waits for room
+    freed = threading.Event()
+    waiter = threading.Thread(target=lambda: young.acquire(30, timeout=10) and freed.set())
+    waiter.start()
+    old.close()
+    waiter.join(timeout=10)
+    assert freed.is_set() and budget.held == 90
+    young.close()
+    assert budget.held == 0

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from psserver import optimizers
 from psserver.optimizers import Adagrad, Adam, Sgd, UpdateRule, create_update_rule
 from pswire.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT64, DType, dtype_of
+from pswire.errors import InvalidArgumentError
 from pswire.optim import OptimizerConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -396,3 +397,400 @@ def _adam_configs(draw):
 )
 def test_property_sgd_and_adam_match_torch(config, steps, rows, seed, dtype):
     _compare_with_torch(config, dtype, steps=steps, shape=(rows, 3), seed=seed)
+
+
+# -- verify: refusing, before anything changes, an update that would leave a non-finite value --
+
+_HUGE = {FLOAT32: 3e38, BFLOAT16: 3e38, FLOAT64: 1e308, FLOAT16: 6e4}
+"""A finite gradient element that overflows every rule below (float16's largest is 65504)."""
+
+# (config, pushes of the huge gradient applied before verify, what verify must name): each
+# gradient below has 3 huge elements among ordinary ones.
+OVERFLOWS = {
+    # lr * g overflows the parameter itself.
+    "sgd-plain": (OptimizerConfig(name="sgd", lr=10.0), 0, {"param": 3}),
+    # The first push fits (buf = g); the second accumulates 0.9 g + g past the largest finite.
+    "sgd-momentum": (CASES["sgd-momentum"], 1, {"param": 3, "momentum_buffer": 3}),
+    # Only an intermediate overflows: buf = g fits, the step g + 0.9 buf does not.
+    "sgd-nesterov": (CASES["sgd-nesterov"], 0, {"param": 3}),
+    # Only the state overflows: (1 - beta2) * g * g is infinite, and exp_avg / inf moves the
+    # parameter by 0. (The product is (0.001 * g) * g: g = 1e20 would still fit float32.)
+    "adam-default": (CASES["adam-default"], 0, {"exp_avg_sq": 3}),
+    "adam-amsgrad": (CASES["adam-amsgrad"], 0, {"exp_avg_sq": 3, "max_exp_avg_sq": 3}),
+    "adagrad-default": (CASES["adagrad-default"], 0, {"sum": 3}),
+}
+
+_ALL_FLOATS = [FLOAT32, FLOAT64, FLOAT16, BFLOAT16]
+
+
+def _copy_state(state):
+    return {key: value.copy() for key, value in state.items()}
+
+
+def _bits(param, grad, state):
+    """Everything verify may not change, bit for bit (NaN payloads and -0.0 included)."""
+    return [(a.dtype, a.shape, a.tobytes()) for a in (param, grad, *state.values())]
+
+
+def _nonfinite_after_apply(rule, param, grad, state, lr_scale=1.0):
+    """What apply makes non-finite, run on copies: {"param" or state name: element count}."""
+    param, state = np.ascontiguousarray(param).copy(), _copy_state(state)
+    rule.apply(param, grad, state, lr_scale=lr_scale)
+    counts = {"param": int(np.count_nonzero(~np.isfinite(param)))}
+    counts.update((key, int(np.count_nonzero(~np.isfinite(value)))) for key, value in state.items() if key != "step")
+    return {key: n for key, n in counts.items() if n}
+
+
+def _verify_refusal(rule, param, grad, state, lr_scale=1.0):
+    """None if verify passes, else its message; asserting that it changed nothing."""
+    before = _bits(param, grad, state)
+    try:
+        rule.verify(param, grad, state, lr_scale=lr_scale)
+        message = None
+    except InvalidArgumentError as exc:
+        message = str(exc)
+    assert _bits(param, grad, state) == before, "verify changed its arguments"
+    return message
+
+
+def _expected_message(expected, rule):
+    what = {"param": "the parameter", **{key: f"state {key!r}" for key in rule.state_names}}
+    order = ["param", *rule.state_names]
+    return "the update would make " + ", ".join(
+        f"{what[key]} non-finite ({expected[key]} element{'s' * (expected[key] > 1)})"
+        for key in order
+        if key in expected
+    )
+
+
+@pytest.mark.parametrize("case", OVERFLOWS)
+@pytest.mark.parametrize("dtype", _ALL_FLOATS, ids=str)
+def test_verify_refuses_an_overflowing_update_and_changes_nothing(case, dtype):
+    config, pushes, expected = OVERFLOWS[case]
+    rule = create_update_rule(config)
+    param = np.linspace(-2, 2, 12).astype(dtype.numpy)
+    grad = np.full(12, 0.5, dtype=dtype.numpy)
+    grad[[1, 5, 11]] = [_HUGE[dtype], -_HUGE[dtype], _HUGE[dtype]]
+    assert np.isfinite(grad).all()
+    state = rule.init_state(param)
+    for _ in range(pushes):
+        rule.verify(param, grad, state)
+        rule.apply(param, grad, state)
+    assert _nonfinite_after_apply(rule, param, grad, state) == expected  # the case is what it claims
+
+    message = _verify_refusal(rule, param, grad, state)
+    assert message == _expected_message(expected, rule)
+    assert int(state["step"]) == pushes
+
+
+@pytest.mark.parametrize("dtype", _ALL_FLOATS, ids=str)
+@pytest.mark.parametrize("what", ["nan-gradient", "inf-gradient", "inf-parameter", "nan-state"])
+def test_verify_refuses_what_is_already_non_finite(dtype, what):
+    rule = create_update_rule(CASES["adam-default"])
+    param, grads = _data((4, 4), dtype, 1, seed=5)
+    grad, state = grads[0], rule.init_state(param)
+    if what == "nan-gradient":
+        grad[1, 2] = np.nan
+    elif what == "inf-gradient":
+        grad[3, 3] = -np.inf
+    elif what == "inf-parameter":
+        param[0, 0] = np.inf
+    else:
+        state["exp_avg"][2, 1] = np.nan
+    assert _verify_refusal(rule, param, grad, state) is not None
+    assert _nonfinite_after_apply(rule, param, grad, state)
+
+
+@pytest.mark.parametrize("chunk,size,overflowing", [
+    (64, 10_000, [0, 63, 64, 5_000, 9_999]),  # 157 slices, the last one ragged
+    (optimizers.CHUNK_ELEMENTS, 3 * optimizers.CHUNK_ELEMENTS + 17, [3 * optimizers.CHUNK_ELEMENTS + 16]),
+])
+@pytest.mark.parametrize("case", ["sgd-all", "adam-all", "adagrad-weight-decay"])
+def test_verify_over_a_tensor_of_many_slices(case, chunk, size, overflowing):
+    rule = create_update_rule(CASES[case], chunk_elements=chunk)
+    param, grads = _data((size,), FLOAT32, 2, seed=6)
+    state = rule.init_state(param)
+    rule.apply(param, grads[0], state)
+
+    reference_param, reference_state = param.copy(), _copy_state(state)
+    rule.apply(reference_param, grads[1], reference_state)
+    rule.verify(param, grads[1], state)  # passes, and verify then apply is apply alone
+    rule.apply(param, grads[1], state)
+    assert param.tobytes() == reference_param.tobytes()
+    assert _bits(param, grads[1], state) == _bits(reference_param, grads[1], reference_state)
+
+    grad = grads[0].copy()
+    grad[overflowing] = 3e38
+    expected = _nonfinite_after_apply(rule, param, grad, state)
+    assert expected and all(n == len(overflowing) for n in expected.values())
+    assert _verify_refusal(rule, param, grad, state) == _expected_message(expected, rule)
+
+
+@pytest.mark.parametrize("layout", ["read-only", "transposed", "strided"])
+@pytest.mark.parametrize("huge", [False, True])
+@pytest.mark.parametrize("dtype", _ALL_FLOATS, ids=str)
+def test_verify_reads_a_read_only_or_non_contiguous_parameter(layout, huge, dtype):
+    """The store verifies the value pulls may still hold, and applies to a writable copy."""
+    rule = create_update_rule(OptimizerConfig(name="sgd", lr=10.0, momentum=0.5, weight_decay=0.1))
+    base = np.random.default_rng(0).standard_normal((6, 8)).astype(dtype.numpy)
+    param = {"read-only": base.copy(), "transposed": base.T, "strided": base[:, ::2]}[layout]
+    param.flags.writeable = layout != "read-only"
+    grad = np.asfortranarray(np.ones(param.shape, dtype=dtype.numpy))  # a non-contiguous gradient too
+    if huge:
+        grad[0, 1] = _HUGE[dtype]
+    state = rule.init_state(param)
+    expected = _nonfinite_after_apply(rule, param, grad, state)
+    assert bool(expected) == huge
+    refusal = _verify_refusal(rule, param, grad, state)
+    assert refusal == (_expected_message(expected, rule) if huge else None)
+
+
+@pytest.mark.parametrize("name,make", list(_bad_apply_cases()), ids=[n for n, _ in _bad_apply_cases()])
+def test_verify_rejects_bad_input_as_apply_does(name, make):
+    rule = create_update_rule(CASES["adam-all"])
+    param = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    state = rule.init_state(param)
+    grad, bad_state, scale = make(param, state)
+    before = _bits(param, grad, bad_state)
+    with pytest.raises(ValueError):
+        rule.verify(param, grad, bad_state, lr_scale=scale)
+    assert _bits(param, grad, bad_state) == before
+
+
+def test_verify_checks_nothing_for_an_integer_parameter():
+    rule = create_update_rule(OptimizerConfig(name="sgd", lr=1e30))
+    param = np.array([2**62, -(2**62)], dtype=INT64.numpy)
+    state = {"step": np.zeros((), dtype=np.int64)}
+    assert _verify_refusal(rule, param, param.copy(), state) is None
+
+
+def test_verify_of_an_empty_parameter_passes():
+    rule = create_update_rule(CASES["adam-all"])
+    param = np.zeros((0, 4), dtype=np.float32)
+    assert _verify_refusal(rule, param, param.copy(), rule.init_state(param)) is None
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", _ALL_FLOATS, ids=str)
+def test_verify_proves_ordinary_updates_without_the_exact_pass(case, dtype, monkeypatch):
+    """The cheap screen (a few reductions) settles ordinary updates; the slice-by-slice pass on
+    copies is left for values near the largest finite."""
+    config = CASES[case]
+    if dtype == FLOAT16 and config.name != "sgd":
+        # An eps of 1e-8 or 1e-10 is 0 in float16: the screen has no denominator to bound by.
+        config = dataclasses.replace(config, eps=1e-3)
+    rule = create_update_rule(config)
+    param, grads = _data((37, 29), dtype, 3, seed=7)
+    state = rule.init_state(param)
+    rule.apply(param, grads[0], state)
+
+    def no_exact_pass(*args, **kwargs):
+        raise AssertionError("the screen did not settle an ordinary update")
+
+    monkeypatch.setattr(rule, "_slices", no_exact_pass)
+    rule.verify(param, grads[1], state, lr_scale=0.5)
+
+
+def test_verify_memory_does_not_grow_with_the_tensor():
+    """Both the screen and the exact pass hold one slice of scratch, never a copy of the tensor."""
+    tracemalloc = pytest.importorskip("tracemalloc")
+    rule = create_update_rule(CASES["adam-all"], chunk_elements=4096)
+    param = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    state = rule.init_state(param)
+    for grad_value, refused in ((0.5, False), (3e38, True)):  # the screen settles the first only
+        grad = np.full(param.shape, grad_value, dtype=np.float32)
+        before = _bits(param, grad, state)
+        tracemalloc.start()
+        try:
+            try:
+                rule.verify(param, grad, state)
+            except InvalidArgumentError:
+                assert refused
+            else:
+                assert not refused
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert _bits(param, grad, state) == before
+        assert peak < param.nbytes / 8, f"verify peaked at {peak} bytes for a {param.nbytes}-byte tensor"
+
+
+@st.composite
+def _any_configs(draw):
+    """Every rule and setting, with learning rates and eps from tiny to large."""
+    lr = draw(st.floats(-4, 4).map(lambda e: 10.0**e))
+    weight_decay = draw(st.sampled_from([0.0]) | st.floats(0.0, 10.0))
+    name = draw(st.sampled_from(["sgd", "adam", "adagrad"]))
+    eps = draw(st.floats(-12, 0).map(lambda e: 10.0**e))
+    if name == "sgd":
+        momentum = draw(st.sampled_from([0.0]) | st.floats(0.0, 1.5))
+        nesterov = momentum > 0 and draw(st.booleans())
+        dampening = 0.0 if nesterov else draw(st.floats(-1.0, 2.0))
+        return OptimizerConfig(
+            name=name, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay
+        )
+    if name == "adam":
+        return OptimizerConfig(
+            name=name, lr=lr, beta1=draw(st.floats(0.0, 0.9999)), beta2=draw(st.floats(0.0, 0.9999)),
+            eps=eps, weight_decay=weight_decay, amsgrad=draw(st.booleans()),
+        )
+    return OptimizerConfig(
+        name=name, lr=lr, lr_decay=draw(st.floats(0.0, 1.0)), weight_decay=weight_decay, eps=eps,
+        initial_accumulator_value=draw(st.floats(0.0, 10.0)),
+    )
+
+
+def _wide_values(rng, dtype: DType, n: int, top: float, *, nonnegative: bool) -> np.ndarray:
+    """n values with magnitudes log-uniform over 40 octaves below 2**top (clipped to the
+    largest finite), random signs, and a few zeros; sometimes a NaN or an infinity."""
+    limit = {FLOAT16: 65504.0, BFLOAT16: 3.3895313892515355e38, FLOAT32: 3.4028234663852886e38,
+             FLOAT64: 1.7976931348623157e308}[dtype]
+    values = np.exp2(rng.uniform(top - 40, top, n)) * rng.choice([-1.0, 1.0], n)
+    if nonnegative and rng.random() < 0.9:
+        values = np.abs(values)
+    values[rng.random(n) < 0.1] = 0.0
+    if rng.random() < 0.05:
+        values[rng.integers(n)] = rng.choice([np.nan, np.inf, -np.inf])
+    return np.clip(values, -limit, limit).astype(dtype.numpy)
+
+
+_TOP_EXPONENT = {FLOAT16: 16, BFLOAT16: 128, FLOAT32: 128, FLOAT64: 1024}
+_SQUARES = ("exp_avg_sq", "max_exp_avg_sq", "sum")
+"""State that the rules keep >= 0 (sums of squares), drawn so but for an occasional negative."""
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(
+    config=_any_configs(),
+    dtype=st.sampled_from(_ALL_FLOATS),
+    size=st.integers(1, 150),
+    steps=st.integers(0, 4),
+    below=st.sampled_from([0, 1, 2, 4, 8, 16, 32, 64]),
+    lr_scale=st.sampled_from([1.0, 0.5, 0.01]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_verify_refuses_exactly_the_updates_that_leave_a_non_finite_value(
+    config, dtype, size, steps, below, lr_scale, seed
+):
+    """Over values from ordinary to the largest finite, for every rule, setting and dtype:
+    verify refuses if and only if apply would leave a non-finite value, names what and how
+    many, changes nothing, and its screen never passes what the exact pass refuses."""
+    rng = np.random.default_rng(seed)
+    rule = create_update_rule(config, chunk_elements=64)
+    top = _TOP_EXPONENT[dtype] - below
+
+    def draw(nonnegative=False):
+        return _wide_values(rng, dtype, size, top - float(rng.integers(0, 24)), nonnegative=nonnegative)
+
+    param, grad = draw(), draw()
+    state = rule.init_state(param)
+    state["step"][...] = steps
+    for key in state:
+        if key != "step":
+            state[key][...] = draw(nonnegative=key in _SQUARES)
+
+    expected = _nonfinite_after_apply(rule, param, grad, state, lr_scale)
+    refusal = _verify_refusal(rule, param, grad, state, lr_scale)
+    assert refusal == (_expected_message(expected, rule) if expected else None)
+    with pytest.MonkeyPatch.context() as patch:  # the exact pass alone agrees
+        patch.setattr(rule, "_provably_finite", lambda *args: False)
+        assert _verify_refusal(rule, param, grad, state, lr_scale) == refusal
+
+
+@st.composite
+def _adagrad_configs(draw):
+    return OptimizerConfig(
+        name="adagrad",
+        lr=draw(_lr),
+        lr_decay=draw(st.floats(0.0, 0.1)),
+        weight_decay=draw(_decay),
+        initial_accumulator_value=draw(st.floats(0.0, 1.0)),
+        eps=draw(st.floats(1e-10, 1e-3)),
+    )
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(
+    config=_sgd_configs() | _adam_configs() | _adagrad_configs(),
+    dtype=st.sampled_from(_ALL_FLOATS),
+    steps=st.integers(1, 5),
+    rows=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_ordinary_updates_pass_verify_and_verify_then_apply_is_apply(config, dtype, steps, rows, seed):
+    if dtype in (FLOAT16, BFLOAT16):
+        # eps must not round to 0 in the parameter's dtype, or a small gradient divides by 0.
+        config = dataclasses.replace(config, eps=max(config.eps, 1e-3))
+    rule = create_update_rule(config, chunk_elements=64)
+    param0, grads = _data((rows, 7), dtype, steps, seed)
+    verified, alone = param0.copy(), param0.copy()
+    verified_state, alone_state = rule.init_state(verified), rule.init_state(alone)
+    for grad in grads:
+        rule.verify(verified, grad, verified_state)
+        rule.apply(verified, grad, verified_state)
+        rule.apply(alone, grad, alone_state)
+        assert np.isfinite(verified).all()
+    assert _bits(verified, grads[0], verified_state) == _bits(alone, grads[0], alone_state)
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    config=_any_configs(),
+    dtype=st.sampled_from(_ALL_FLOATS),
+    size=st.integers(1, 3),
+    steps=st.integers(0, 3),
+    scaled=st.sampled_from(["grad", "param", "state"]),
+    same_signs=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_verify_is_exact_at_the_overflow_threshold(config, dtype, size, steps, scaled, same_signs, seed):
+    """Scale one operand up to the very point where apply first overflows (bisection down to
+    adjacent representable values), where the screen's bounds are tightest: verify agrees with
+    apply on both sides of it."""
+    rng = np.random.default_rng(seed)
+    rule = create_update_rule(config)
+
+    def draw(nonnegative=False):
+        values = np.exp2(rng.uniform(-4, 4, size))
+        return values if nonnegative or same_signs else values * rng.choice([-1.0, 1.0], size)
+
+    param, grad = draw(), draw()
+    buffers = {key: draw(nonnegative=key in _SQUARES) for key in rule.state_names if key != "step"}
+    names = list(buffers)
+    target = rng.choice(names) if scaled == "state" and names else scaled
+    limit = float(np.finfo(np.float64).max) if dtype == FLOAT64 else 3.4e38
+
+    def arguments(log2_scale):
+        def cast(key, values):
+            with np.errstate(over="ignore"):  # out-of-range values become inf: no starting point
+                if key == target:
+                    values = np.clip(values * np.exp2(log2_scale), -limit, limit)
+                return np.asarray(values).astype(dtype.numpy)
+
+        state = {"step": np.array(steps, dtype=np.int64)}
+        state.update((key, cast(key, values)) for key, values in buffers.items())
+        return cast("param", param), cast("grad", grad), state
+
+    def overflows(log2_scale):
+        p, g, s = arguments(log2_scale)
+        if not all(np.isfinite(a).all() for a in (p, g, *s.values())):
+            return None  # not a finite starting point
+        return bool(_nonfinite_after_apply(rule, p, g, s))
+
+    low, high = -8.0, float(_TOP_EXPONENT[dtype]) + 8
+    while high > low and overflows(high) is None:
+        high -= 1.0  # the largest scale that still gives finite operands
+    if overflows(low) is not False or not overflows(high):
+        low = high = min(low, high)  # no threshold to find: check one point
+    for _ in range(80):
+        middle = (low + high) / 2
+        if middle in (low, high):
+            break
+        if overflows(middle):
+            high = middle
+        else:
+            low = middle
+    for log2_scale in {low, high}:
+        p, g, s = arguments(log2_scale)
+        expected = _nonfinite_after_apply(rule, p, g, s)
+        assert _verify_refusal(rule, p, g, s) == (_expected_message(expected, rule) if expected else None)

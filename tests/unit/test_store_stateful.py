@@ -453,11 +453,17 @@ class StoreMachine(RuleBasedStateMachine):
         worker = self.pick(data, [w for w in self.live() if w.history])
         sequence = data.draw(st.sampled_from(sorted(worker.history)), label="sequence")
         args, reply = worker.history[sequence]
-        if sequence not in list(worker.history)[-DEDUPE_WINDOW:]:
-            # Past the window the reply is forgotten, but the push is still never re-applied.
-            reply = PushResult(self.version, 0, PushAction.APPLY)
-            event("retry past the window")
         before = self.observable()
+        if sequence not in list(worker.history)[-DEDUPE_WINDOW:]:
+            # Past the window the reply is forgotten: the push is refused, never re-applied, and
+            # never acknowledged as applied (its outcome is no longer known).
+            event("retry past the window")
+            with pytest.raises(PreconditionError, match="not known"):
+                self.store.apply_push(**{**args, "grads": [g.copy() for g in args["grads"]]})
+            self.pushes_received += 1
+            self.rejected += 1
+            self.assert_unchanged(before)
+            return
         result = self.store.apply_push(**{**args, "grads": [g.copy() for g in args["grads"]]})
         self.pushes_received += 1
         self.retries += 1
