@@ -39,16 +39,7 @@ class InflightBudget:
 
     def acquire(self, nbytes: int, timeout: float) -> bool:
         """Take ``nbytes``, waiting up to ``timeout`` seconds for room; False if none came."""
-        deadline = time.monotonic() + timeout
-        with self._freed:
-            while self.limit and self._held and self._held + nbytes > self.limit:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._freed.wait(remaining)
-            self._held += nbytes
-            self._peak = max(self._peak, self._held)
-            return True
+        return self._take(None, nbytes, timeout)
 
     def transfer(self) -> "Transfer":
         """A transfer that takes its bytes as they arrive; close it (or use it as a context
@@ -58,10 +49,12 @@ class InflightBudget:
             self._open[ticket] = None
         return Transfer(self, ticket)
 
-    def _take(self, ticket: int, nbytes: int, timeout: float) -> bool:
+    def _take(self, ticket: int | None, nbytes: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._freed:
-            while self.limit and self._held and self._held + nbytes > self.limit and next(iter(self._open)) != ticket:
+            while self.limit and self._held and self._held + nbytes > self.limit and (
+                ticket is None or next(iter(self._open)) != ticket  # the oldest transfer never waits
+            ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False

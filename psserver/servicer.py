@@ -3,20 +3,18 @@ status codes (one table), and nothing else."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from pswire import errors, frames
 from pswire.codec import ChunkAssembler, Part, array_bytes, on_wire, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psserver.buffers import BufferPool, trim_heap
+from psserver.guard import CallGuard, IdleStreams, Undecodable, tolerant
 from psserver.inflight import InflightBudget, Transfer
 from psserver.lanes import LaneServer
 from psserver.store import PullSnapshot, Registration, ShardStore
@@ -56,94 +54,6 @@ _REQUEST_DECODERS = {"Push": frames.decoder(ps_pb2.TensorMessage), "Initialize":
 _RESPONSE_ENCODERS = {"Pull": frames.serialize}
 
 
-class Undecodable:
-    """What a request that protobuf cannot parse decodes to: the handler answers it with
-    INVALID_ARGUMENT. (An exception from a deserialiser would make gRPC log a traceback per
-    request and answer INTERNAL.)"""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def _tolerant(decode: Callable[[bytes], object]) -> Callable[[bytes], object]:
-    def tolerant(raw: bytes) -> object:
-        try:
-            return decode(raw)
-        except (DecodeError, ValueError, TypeError, RuntimeError) as exc:
-            return Undecodable(f"{type(exc).__name__}: {str(exc)[:200]}")
-
-    return tolerant
-
-
-_UNEXPECTED_LOG_EVERY = 60.0
-"""Seconds between tracebacks of unexpected handler errors (each is still answered INTERNAL)."""
-
-
-class _Guard:
-    """Wraps every handler: an undecodable request is INVALID_ARGUMENT, and an exception no
-    handler mapped is INTERNAL with its type and message (a traceback logged at most once a
-    minute), never gRPC's UNKNOWN."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._logged_at = float("-inf")
-        self.unexpected = 0
-
-    def _unexpected(self, method: str, exc: BaseException, context: grpc.ServicerContext) -> None:
-        with self._lock:
-            self.unexpected += 1
-            now = time.monotonic()
-            loud = now - self._logged_at >= _UNEXPECTED_LOG_EVERY
-            if loud:
-                self._logged_at = now
-        if loud:
-            log.error("%s failed unexpectedly (%d so far; tracebacks at most once a minute)", method,
-                      self.unexpected, exc_info=exc)
-        context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the shard: {type(exc).__name__}: {exc}")
-
-    def unary(self, method: str, behavior):
-        @functools.wraps(behavior)
-        def guarded(request, context):
-            if isinstance(request, Undecodable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {method} request: {request.reason}")
-            try:
-                return behavior(request, context)
-            except Exception as exc:
-                if _aborted(context):
-                    raise
-                if not context.is_active():  # cancelled (by the client, or cut when idle): nobody to answer
-                    raise
-                self._unexpected(method, exc, context)
-
-        return guarded
-
-    def streaming(self, method: str, behavior):
-        @functools.wraps(behavior)
-        def guarded(request, context):
-            if isinstance(request, Undecodable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {method} request: {request.reason}")
-            try:
-                yield from behavior(request, context)
-            except Exception as exc:
-                if _aborted(context):
-                    raise
-                if not context.is_active():
-                    raise
-                self._unexpected(method, exc, context)
-
-        return guarded
-
-
-def _aborted(context: grpc.ServicerContext) -> bool:
-    """Whether the handler already ended the call with a status (``context.abort`` raises)."""
-    try:
-        return context.code() is not None
-    except (AttributeError, NotImplementedError):
-        return False
-
-
 def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> None:
     """Register every method of the service in ``ps.proto`` (what the generated
     ``add_ParameterServerServicer_to_server`` does), with the chunk codecs above, tolerant
@@ -163,7 +73,7 @@ def add_to_server(servicer: "ParameterServerServicer", server: grpc.Server) -> N
         wrap = guard.streaming if method.server_streaming else guard.unary
         handlers[method.name] = kind(
             wrap(method.name, behavior),
-            request_deserializer=_tolerant(_REQUEST_DECODERS.get(method.name, request_type.FromString)),
+            request_deserializer=tolerant(_REQUEST_DECODERS.get(method.name, request_type.FromString)),
             response_serializer=_RESPONSE_ENCODERS.get(method.name, response_type.SerializeToString),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
@@ -194,72 +104,14 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     raise exc
 
 
-class _IdleStreams:
-    """Cuts client streams that stop sending: a stream whose handler has waited longer than
-    ``timeout`` seconds for its next message is cancelled, which frees the handler thread (16
-    idle Push streams once held every thread of a shard, and heartbeats timed out behind them).
-    One watchdog thread serves every stream; 0 disables it."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self._lock = threading.Lock()  # guards _waiting
-        self._waiting: dict[int, tuple[float, grpc.ServicerContext]] = {}
-        self._thread: threading.Thread | None = None
-        self._stopped = threading.Event()
-
-    def watch(self, messages: Iterator, context: grpc.ServicerContext | None) -> Iterator:
-        """``messages``, noting when the handler waits for the next one."""
-        if not self.timeout or context is None:
-            yield from messages
-            return
-        self._start()
-        key = id(context)
-        try:
-            while True:
-                with self._lock:
-                    self._waiting[key] = (time.monotonic(), context)
-                try:
-                    message = next(messages)
-                except StopIteration:
-                    return
-                finally:
-                    with self._lock:
-                        self._waiting.pop(key, None)
-                yield message
-        finally:
-            with self._lock:
-                self._waiting.pop(key, None)
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="psserver-idle-streams", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        period = min(1.0, self.timeout / 4)
-        while not self._stopped.wait(timeout=period):
-            now = time.monotonic()
-            with self._lock:
-                idle = [(k, c) for k, (since, c) in self._waiting.items() if now - since > self.timeout]
-                for key, _ in idle:
-                    del self._waiting[key]
-            for _, context in idle:
-                log.warning("cut a client stream that sent nothing for %.0fs (--stream-idle-timeout)", self.timeout)
-                context.cancel()
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(
         self, store: ShardStore, *, address: str, chunk_bytes: int, max_request_bytes: int, checkpointer=None,
         lanes: LaneServer | None = None, budget: InflightBudget | None = None, stream_idle_timeout: float = 10.0,
     ) -> None:
         self._store = store
-        self.guard = _Guard()
-        self._idle = _IdleStreams(stream_idle_timeout)
+        self.guard = CallGuard()
+        self._idle = IdleStreams(stream_idle_timeout)
         self._lanes = lanes
         self._budget = budget or InflightBudget(0)
         self._checkpointer = checkpointer

@@ -30,7 +30,7 @@ from psserver import snapshot
 from psserver.leases import expired
 from psserver.consistency import Mode, PushAction
 from psserver.job import (
-    MAX_COUNT, Registration, check_count, check_finite, check_parts, check_same_job, fmt_bytes,
+    Registration, check_count, check_finite, check_parts, check_same_job, fmt_bytes,
 )
 from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, PushResult, Slot, SyncClock, Worker

@@ -19,9 +19,9 @@ import pytest
 
 from psserver.checkpoint import LATEST
 from pswire.v1 import ps_pb2
-from tests.service.test_shard_service import (  # noqa: F401 (fixtures)
-    GRADS, INITIAL, PARTS, RPC_TIMEOUT, Worker, chunks, expect_rpc_error, header, initialize, make_shard, open_stub,
-    pull, push, ready, register, register_request, shard, status, stub,
+from tests.service.test_shard_service import (
+    GRADS, INITIAL, PARTS, RPC_TIMEOUT, Worker, chunks, expect_rpc_error, header, initialize, pull, push, register,
+    register_request, status,
 )
 
 pytestmark = pytest.mark.timeout(120)
