@@ -2,7 +2,8 @@
 
 Baselines (raw TCP, bare gRPC streaming and echo, local training) are measured in the same run
 as the figures they judge: PS push + pull goodput by model size and shard count, small-call
-latency, training throughput of 2 shards x 2 async workers, and a shard's peak memory. See
+latency, training throughput of 2 shards x 2 async workers, a shard's peak memory, and the
+cost of mutual TLS on goodput and training (TLS and plaintext alternated in the same run). See
 docs/benchmarks.md for the method and the latest numbers::
 
     psbench --out bench.json          # full run, several minutes

@@ -109,6 +109,17 @@ def _memory(results: dict) -> Check:
     return _check("5", name, float(memory["peak_rss_bytes"]), "<=", float(memory["target_bytes"]), detail)
 
 
+def _tls(results: dict, params: int = 4_300_810) -> Check:
+    name = "training 4.3M MLP with TLS >= 0.8 x without"
+    training = (results.get("tls") or {}).get("training")
+    if not training:
+        return _check("6", name, None, ">=", 0.8, "")
+    detail = f"{training['tls_samples_per_second']:.0f} / {training['plain_samples_per_second']:.0f} samples/s"
+    if abs(training["parameters"] - params) > params // 10:
+        detail += f" (at {training['parameters']} parameters)"
+    return _check("6", name, training["ratio"], ">=", 0.8, detail)
+
+
 _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _tcp_ratio,
     lambda r: _size_ratio(r, 1, "2"),
@@ -118,6 +129,7 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     lambda r: _training(r, 4_300_810, 0.6, "3c", "4.3M", wire="bf16"),
     _latency,
     _memory,
+    _tls,
 )
 
 

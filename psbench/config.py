@@ -14,7 +14,7 @@ from pswire.flags import add_fields, parse
 
 __all__ = ["SECTIONS", "BenchConfig", "Plan", "TrainingCase", "parse_args", "training_case"]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls")
 """Every section, in the order they run."""
 
 _NEEDS_BASELINES = ("goodput", "latency")
@@ -43,8 +43,10 @@ class BenchConfig:
                    + ". goodput and latency bring baselines along (their ratios need it).")
     reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 5 for transfers "
                           "and 3 for training; --quick: 2 and 1).")
-    sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4).")
-    widths: str = _f("", "Hidden widths of the training MLPs, comma-separated (default: 100,1024,2048; --quick: 100).")
+    sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4). "
+                    "tls measures the one nearest 64.")
+    widths: str = _f("", "Hidden widths of the training MLPs, comma-separated (default: 100,1024,2048; --quick: 100). "
+                     "tls trains the widest.")
     latency_calls: int | None = _f(None, "Timed calls per latency figure (default: 1000; --quick: 100).")
     keep_logs: str | None = _f(None, "Keep every child process's log in this directory (default: a temporary "
                                "one, removed).")
@@ -74,11 +76,11 @@ class BenchConfig:
         wanted = set(asked) | ({"baselines"} if set(asked) & set(_NEEDS_BASELINES) else set())
         quick = self.quick
         widths = _ints(self.widths, "--widths") if self.widths else ((100,) if quick else (100, 1024, 2048))
+        sizes = tuple(sorted(_ints(self.sizes, "--sizes") if self.sizes else ((1, 4) if quick else (4, 64, 256))))
         return Plan(
             sections=tuple(s for s in SECTIONS if s in wanted),
             quick=quick,
-            sizes_mib=tuple(sorted(_ints(self.sizes, "--sizes") if self.sizes
-                                   else ((1, 4) if quick else (4, 64, 256)))),
+            sizes_mib=sizes,
             shard_counts=(1, 2),
             transfer_reps=self.reps or (2 if quick else 5),
             transfer_warmup=1,
@@ -90,6 +92,9 @@ class BenchConfig:
             # The widest model once more with bf16 on the wire: where compression pays most.
             training=tuple(training_case(w, quick=quick) for w in sorted(widths))
             + (training_case(max(widths), quick=quick, wire_dtype="bf16"),),
+            # The cost of TLS on the figures its criterion names: 64 MiB goodput, the widest MLP.
+            tls_size_mib=min(sizes, key=lambda s: (abs(s - 64), s)),
+            tls_training=training_case(max(widths), quick=quick),
         )
 
 
@@ -153,6 +158,10 @@ class Plan:
     small_bytes: int
     """Payload of the echo baseline and size of the small variable: 4 KiB."""
     training: tuple[TrainingCase, ...]
+    tls_size_mib: int
+    """Model size of the goodput with TLS and without: the size nearest 64 MiB."""
+    tls_training: TrainingCase
+    """The model trained with TLS and without: the widest."""
 
     def to_dict(self) -> dict:
         return {
@@ -161,9 +170,14 @@ class Plan:
             "transfer_warmup": self.transfer_warmup, "training_reps": self.training_reps,
             "baseline_bytes": self.baseline_bytes, "latency_calls": self.latency_calls,
             "latency_warmup": self.latency_warmup, "small_bytes": self.small_bytes,
-            "training": [{"width": c.width, "local_steps": c.local_steps, "worker_steps": c.worker_steps,
-                          "wire_dtype": c.wire_dtype} for c in self.training],
+            "training": [_case_dict(c) for c in self.training],
+            "tls_size_mib": self.tls_size_mib, "tls_training": _case_dict(self.tls_training),
         }
+
+
+def _case_dict(case: TrainingCase) -> dict:
+    return {"width": case.width, "local_steps": case.local_steps, "worker_steps": case.worker_steps,
+            "wire_dtype": case.wire_dtype}
 
 
 def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> BenchConfig:
@@ -174,7 +188,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         prog="psbench",
         description="Measure the parameter server against its limits on this machine (loopback): "
         "baselines (raw TCP, bare gRPC, local training), PS goodput, small-call latency, "
-        "training throughput and shard memory. Prints a table and writes JSON.",
+        "training throughput, shard memory, and the cost of TLS. Prints a table and writes JSON.",
         epilog="Every flag can also be set as PSBENCH_<FLAG> (e.g. PSBENCH_REPS=3); flags win.",
     )
     add_fields(parser, BenchConfig)

@@ -1,12 +1,14 @@
 """Measurements against real ``psserver`` processes, driven with the public client
-``psworker.client.PSClient`` as a worker would: goodput of push + pull rounds, latency of
-small pulls and pushes, and a shard's peak memory against the bytes it holds.
+``psworker.client.PSClient`` as a worker would: goodput of push + pull rounds (also of several
+setups served at once, their rounds alternated: TLS against plaintext), latency of small pulls
+and pushes, and a shard's peak memory against the bytes it holds.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +17,11 @@ from psbench.procs import Child, Children
 from psbench.stats import LatencySummary, median
 from pswire.optim import OptimizerConfig
 from pswire.placement import model_spec
+from pswire.security import ClientSecurity
 from psworker.client import ClientOptions, PSClient
 
-__all__ = ["ADAM", "CallCost", "GoodputResult", "LatencyResult", "bench_model", "measure_goodput",
-           "measure_small_latency", "start_shards"]
+__all__ = ["ADAM", "CallCost", "GoodputResult", "LatencyResult", "Setup", "bench_model", "measure_goodput",
+           "measure_goodput_alternated", "measure_small_latency", "start_shards"]
 
 MIB = 1 << 20
 _COLUMNS = 1024  # a row of the big matrix is 4 KiB of float32
@@ -49,9 +52,10 @@ def start_shards(children: Children, count: int, *extra: str, timeout: float = 1
     return [(child, f"127.0.0.1:{children.wait_port(child, port_file, timeout)}") for child, port_file in launched]
 
 
-def _client(addresses: list[str], *, bulk: bool = True) -> PSClient:
+def _client(addresses: list[str], *, bulk: bool = True, security: ClientSecurity | None = None) -> PSClient:
     # Deadlines generous enough for a loaded two-core machine moving hundreds of MiB.
-    client = PSClient(addresses, ClientOptions(timeout=120.0, min_bandwidth=5e6, connect_timeout=120.0, bulk=bulk))
+    client = PSClient(addresses, ClientOptions(timeout=120.0, min_bandwidth=5e6, connect_timeout=120.0, bulk=bulk,
+                                               security=security))
     try:
         client.wait_connected()
     except BaseException:
@@ -88,6 +92,8 @@ class GoodputResult:
     without a reference)."""
     transport: str = "lanes"
     """``lanes``: large bytes on the bulk lanes (the default); ``grpc``: every byte through gRPC."""
+    tls: bool = False
+    """Shards and client talked (mutual) TLS, on gRPC and the lanes alike."""
 
     @property
     def bytes_per_second(self) -> float:
@@ -116,6 +122,7 @@ class GoodputResult:
             "size_mib": self.size_mib,
             "shards": self.shards,
             "transport": self.transport,
+            "tls": self.tls,
             "bytes_per_round": self.bytes_per_round,
             "bytes_per_second": self.bytes_per_second,
             "push_bytes_per_second": self.push_bytes_per_second,
@@ -158,6 +165,90 @@ class _Paired:
             self.seconds.append(seconds)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """How the shards of a goodput measurement start and how the client reaches them."""
+
+    bulk: bool = True
+    """Bytes above 256 KiB per shard on the bulk lanes; False: shards with ``--bulk-port -1``,
+    every byte through gRPC."""
+    optimizer: OptimizerConfig = _SGD
+    """The shards' update rule (SGD without momentum by default: no state, one in-place op)."""
+    shard_flags: tuple[str, ...] = ()
+    """More ``psserver`` flags (``--tls-cert ...``)."""
+    security: ClientSecurity | None = None
+    """The client's TLS material, for shards started with TLS flags."""
+
+    @property
+    def tls(self) -> bool:
+        return self.security is not None and self.security.tls
+
+
+class _Rounds:
+    """Fresh shards serving one registered model of ``size_mib`` MiB, and a client that runs
+    push + pull rounds on it. Leaving the ``with`` block closes the client and stops the shards."""
+
+    def __init__(self, children: Children, size_mib: int, shards: int, setup: Setup) -> None:
+        self.size_mib = size_mib
+        self.setup = setup
+        self._children = children
+        self._shards = shards
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "_Rounds":
+        setup = self.setup
+        extra = (() if setup.bulk else ("--bulk-port", "-1")) + setup.shard_flags
+        try:
+            self.started = start_shards(self._children, self._shards, *extra)
+            for child, _ in self.started:
+                self._stack.callback(self._children.stop, child)
+            self.idle = [child.rss_bytes() for child, _ in self.started]
+            model = bench_model(self.size_mib)
+            self.nbytes = sum(t.numel() * t.element_size() for t in model.values())
+            self._grads = {name: torch.full_like(t, 1e-3) for name, t in model.items()}
+            self._dest = {name: torch.empty_like(t) for name, t in model.items()}
+            self.client = self._stack.enter_context(
+                _client([address for _, address in self.started], bulk=setup.bulk, security=setup.security))
+            began = time.perf_counter()
+            self.client.register(model_spec(model.items()), setup.optimizer, worker_name="psbench",
+                                 initial_values=model)
+            self.init_seconds = time.perf_counter() - began
+            del model  # the shards hold it now; keep this process's memory out of their way
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    @property
+    def shard_children(self) -> list[Child]:
+        return [child for child, _ in self.started]
+
+    def round(self) -> tuple[float, float]:
+        """One push of a full gradient, then a pull of every variable; their seconds."""
+        t0 = time.perf_counter()
+        self.client.push(self._grads)
+        t1 = time.perf_counter()
+        self.client.pull(self._dest, skip_unchanged=False)
+        return t1 - t0, time.perf_counter() - t1
+
+    def result(self, push: list[float], pull: list[float], client_cpu: float, shard_cpu: float,
+               reference_seconds: list[float]) -> GoodputResult:
+        """The figures of the timed rounds, with what the shards hold and their peak memory now.
+        Raises ``RuntimeError`` if the shards do not hold the whole model."""
+        statuses = self.client.status()
+        peak = [child.peak_rss_bytes() for child in self.shard_children]
+        held = [s.bytes_held + s.optimizer_state_bytes for s in statuses]
+        if sum(s.bytes_held for s in statuses) != self.nbytes:
+            raise RuntimeError(f"the shards report holding {sum(s.bytes_held for s in statuses)} bytes "
+                               f"of a {self.nbytes}-byte model")
+        return GoodputResult(self.size_mib, self._shards, 2 * self.nbytes, [a + b for a, b in zip(push, pull)],
+                             push, pull, self.init_seconds, self.idle, peak, held, client_cpu, shard_cpu,
+                             reference_seconds, "lanes" if self.setup.bulk else "grpc", self.setup.tls)
+
+
 def measure_goodput(
     children: Children, size_mib: int, shards: int, *, reps: int, warmup: int,
     reference: Callable[[int], float] | None = None, bulk: bool = True, optimizer: OptimizerConfig = _SGD,
@@ -169,47 +260,50 @@ def measure_goodput(
     returning. ``bulk=False``: shards without bulk lanes, every byte through gRPC. ``optimizer``:
     the shards' update rule (SGD without momentum by default: no state, one in-place op). Raises
     ``pswire.errors.PSError`` or ``ChildError``."""
-    started = start_shards(children, shards, *(() if bulk else ("--bulk-port", "-1")))
-    try:
-        idle = [child.rss_bytes() for child, _ in started]
-        model = bench_model(size_mib)
-        nbytes = sum(t.numel() * t.element_size() for t in model.values())
-        grads = {name: torch.full_like(t, 1e-3) for name, t in model.items()}
-        dest = {name: torch.empty_like(t) for name, t in model.items()}
-        paired = _Paired(None if reference is None else lambda: reference(2 * nbytes))
-        with _client([address for _, address in started], bulk=bulk) as client:
-            began = time.perf_counter()
-            client.register(model_spec(model.items()), optimizer, worker_name="psbench", initial_values=model)
-            init_seconds = time.perf_counter() - began
-            del model  # the shards hold it now; keep this process's memory out of their way
-            for _ in range(warmup):
-                paired(record=False)
-                client.push(grads)
-                client.pull(dest, skip_unchanged=False)
-            push, pull, total = [], [], []
-            cpu = _CpuMeter([child for child, _ in started])
-            for _ in range(reps):
-                paired()
-                t0 = time.perf_counter()
-                client.push(grads)
-                t1 = time.perf_counter()
-                client.pull(dest, skip_unchanged=False)
-                t2 = time.perf_counter()
-                push.append(t1 - t0)
-                pull.append(t2 - t1)
-                total.append(t2 - t0)
-            client_cpu, shard_cpu = cpu.per_call(reps, exclude=paired.cpu_seconds)
-            statuses = client.status()
-            peak = [child.peak_rss_bytes() for child, _ in started]
-        held = [s.bytes_held + s.optimizer_state_bytes for s in statuses]
-        if sum(s.bytes_held for s in statuses) != nbytes:
-            raise RuntimeError(f"the shards report holding {sum(s.bytes_held for s in statuses)} bytes "
-                               f"of a {nbytes}-byte model")
-        return GoodputResult(size_mib, shards, 2 * nbytes, total, push, pull, init_seconds, idle, peak, held,
-                             client_cpu, shard_cpu, paired.seconds, "lanes" if bulk else "grpc")
-    finally:
-        for child, _ in started:
-            children.stop(child)
+    with _Rounds(children, size_mib, shards, Setup(bulk=bulk, optimizer=optimizer)) as rounds:
+        paired = _Paired(None if reference is None else lambda: reference(2 * rounds.nbytes))
+        for _ in range(warmup):
+            paired(record=False)
+            rounds.round()
+        push, pull = [], []
+        cpu = _CpuMeter(rounds.shard_children)
+        for _ in range(reps):
+            paired()
+            seconds = rounds.round()
+            push.append(seconds[0])
+            pull.append(seconds[1])
+        client_cpu, shard_cpu = cpu.per_call(reps, exclude=paired.cpu_seconds)
+        return rounds.result(push, pull, client_cpu, shard_cpu, paired.seconds)
+
+
+def measure_goodput_alternated(
+    children: Children, size_mib: int, shards: int, setups: Sequence[Setup], *, reps: int, warmup: int,
+) -> list[GoodputResult]:
+    """The goodput of one model under each of ``setups``, all served at once, their rounds
+    alternated: each repetition runs one round of every setup, in an order that rotates, so
+    that a change in the machine's load touches them alike and round ``i`` of each result
+    comes from the same repetition. Client CPU is counted round by round, shard CPU over all
+    rounds (a setup's shards idle while another's rounds run). Raises like :func:`measure_goodput`."""
+    with ExitStack() as stack:
+        rigs = [stack.enter_context(_Rounds(children, size_mib, shards, setup)) for setup in setups]
+        for _ in range(warmup):
+            for rig in rigs:
+                rig.round()
+        push: list[list[float]] = [[] for _ in rigs]
+        pull: list[list[float]] = [[] for _ in rigs]
+        client_cpu = [0.0] * len(rigs)
+        meters = [_CpuMeter(rig.shard_children) for rig in rigs]
+        for rep in range(reps):
+            for k in range(len(rigs)):
+                i = (rep + k) % len(rigs)
+                cpu = time.process_time()
+                seconds = rigs[i].round()
+                client_cpu[i] += time.process_time() - cpu
+                push[i].append(seconds[0])
+                pull[i].append(seconds[1])
+        shard_cpu = [meter.per_call(reps)[1] for meter in meters]
+        return [rig.result(push[i], pull[i], client_cpu[i] / reps, shard_cpu[i], [])
+                for i, rig in enumerate(rigs)]
 
 
 class _CpuMeter:

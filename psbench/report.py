@@ -123,6 +123,38 @@ def _memory(memory: dict) -> list[str]:
     )]
 
 
+def _tls(tls: dict) -> list[str]:
+    rows = []
+    goodput = tls.get("goodput")
+    if goodput:
+        plain, secure = goodput["plain"], goodput["tls"]
+        what = f"{goodput['size_mib']} MiB model, {goodput['shards']} shard{'s' if goodput['shards'] > 1 else ''}"
+        rows += [
+            [f"push + pull goodput, {what}", _rate(plain["bytes_per_second"]), _rate(secure["bytes_per_second"]),
+             _ratio(goodput["ratio"])],
+            ["  push", _rate(plain["push_bytes_per_second"]), _rate(secure["push_bytes_per_second"]),
+             _ratio(goodput["push_ratio"])],
+            ["  pull", _rate(plain["pull_bytes_per_second"]), _rate(secure["pull_bytes_per_second"]),
+             _ratio(goodput["pull_ratio"])],
+            ["  CPU ms/MiB, client + shard", _cpu(plain["cpu_seconds_per_mib"]), _cpu(secure["cpu_seconds_per_mib"]),
+             _ratio(goodput["cpu_ratio"])],
+        ]
+    training = tls.get("training")
+    if training:
+        rows += [
+            [f"training W={training['width']} ({training['parameters']:,} parameters), {training['shards']} shards x "
+             f"{training['workers']} workers, samples/s", f"{training['plain_samples_per_second']:,.0f}",
+             f"{training['tls_samples_per_second']:,.0f}", _ratio(training["ratio"])],
+            ["  shard CPU ms per worker step", f"{training['plain_shard_cpu_ms_per_step']:.1f}",
+             f"{training['tls_shard_cpu_ms_per_step']:.1f}",
+             _ratio(training["tls_shard_cpu_ms_per_step"] / training["plain_shard_cpu_ms_per_step"]
+                    if training["plain_shard_cpu_ms_per_step"] else None)],
+        ]
+    return ["The cost of TLS: mutual TLS (gRPC and bulk lanes) against plaintext, alternated in one run; "
+            "TLS / plain of goodput and training: median over repetitions of each pair", *_table(
+        ["figure", "plaintext", "TLS", "TLS / plain"], rows)]
+
+
 def _checks(checks: list[dict]) -> list[str]:
     def verdict(c: dict) -> str:
         return {True: "PASS", False: "FAIL", None: "n/a"}[c["passed"]]
@@ -157,7 +189,7 @@ def render(doc: dict) -> str:
         lines.append(f"code: commit {source['commit'][:12]}"
                      + (f" with {len(modified)} modified product file(s): {', '.join(modified)}" if modified else ""))
     for key, render_section in (("baselines", _baselines), ("goodput", _goodput), ("latency", _latency),
-                                ("training", _training), ("memory", _memory)):
+                                ("training", _training), ("memory", _memory), ("tls", _tls)):
         if doc.get(key):
             lines += ["", *render_section(doc[key])]
     lines += ["", *_checks(doc["checks"])]

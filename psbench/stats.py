@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LatencySummary", "median", "percentile"]
+__all__ = ["LatencySummary", "median", "median_ratio", "percentile"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -30,6 +30,17 @@ def percentile(values: Sequence[float], q: float) -> float:
 def median(values: Sequence[float]) -> float:
     """The median; raises ``ValueError`` for no values."""
     return percentile(values, 50.0)
+
+
+def median_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
+    """The median of ``numerators[i] / denominators[i]``: of pairs measured side by side, so
+    that each ratio compares two figures taken under about the same load. Raises ``ValueError``
+    for no pairs, sequences of different lengths or a zero denominator."""
+    if len(numerators) != len(denominators):
+        raise ValueError(f"{len(numerators)} numerators against {len(denominators)} denominators")
+    if not all(denominators):
+        raise ValueError("a ratio with a zero denominator")
+    return median([a / b for a, b in zip(numerators, denominators)])
 
 
 @dataclass(frozen=True)

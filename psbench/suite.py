@@ -137,12 +137,26 @@ class _Run:
     def training(self) -> list[dict]:
         from psbench.training import measure_training
 
-        if not self.data_path.exists():
-            save_mnist1d(self.data_path)  # once here instead of seconds in every worker
+        self._training_data()
         return [measure_training(self.children, case, reps=self.plan.training_reps).to_dict()
                 for case in self.plan.training]
 
+    def tls(self) -> dict:
+        from psbench.tls import make_pki, measure_tls_goodput, measure_tls_training
+
+        plan = self.plan
+        pki = make_pki(self.children.workdir)
+        goodput = measure_tls_goodput(self.children, pki, plan.tls_size_mib, reps=plan.transfer_reps,
+                                      warmup=plan.transfer_warmup)
+        self._training_data()
+        training = measure_tls_training(self.children, plan.tls_training, pki, reps=plan.training_reps)
+        return {"mutual": True, "goodput": goodput, "training": training.to_dict()}
+
     # -- helpers -------------------------------------------------------------------------------
+
+    def _training_data(self) -> None:
+        if not self.data_path.exists():
+            save_mnist1d(self.data_path)  # once here instead of seconds in every worker
 
     def _goodput(self, size: int, shards: int, reps: int) -> GoodputResult:
         result = measure_goodput(self.children, size, shards, reps=reps, warmup=self.plan.transfer_warmup,
@@ -192,7 +206,7 @@ def run(plan: Plan, workdir: Path) -> dict:
     with Children(workdir, env={DATA_ENV: str(data_path)}) as children:
         runner = _Run(plan, children, data_path)
         bodies = {"baselines": runner.baselines, "goodput": runner.goodput_section, "latency": runner.latency,
-                  "training": runner.training, "memory": runner.memory}
+                  "training": runner.training, "memory": runner.memory, "tls": runner.tls}
         try:
             for name in plan.sections:
                 runner.section(name, bodies[name])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from psbench.config import TrainingCase
@@ -109,10 +110,12 @@ def run_local(children: Children, case: TrainingCase, *, timeout: float) -> dict
 
 
 def run_cluster(
-    children: Children, case: TrainingCase, ps: str, *, workers: int, timeout: float, run: int = 0
+    children: Children, case: TrainingCase, ps: str, *, workers: int, timeout: float, run: int = 0,
+    extra: Sequence[str] = (),
 ) -> list[dict]:
-    """``workers`` async workers started together against the shards at ``ps``; returns every
-    worker's result line. Raises ``ChildError`` when a worker fails or runs past ``timeout``.
+    """``workers`` async workers started together against the shards at ``ps``, with ``extra``
+    flags (``--tls-ca ...``); returns every worker's result line. Raises ``ChildError`` when a
+    worker fails or runs past ``timeout``.
 
     Worker names carry ``run``: a worker joining under a name the shards know resumes that
     worker's recorded progress, and one that had finished would have no steps left to time."""
@@ -123,7 +126,7 @@ def run_cluster(
                 f"worker{i}-mlp{case.width}", "psworker", "--ps", ps, "--task", case.task,
                 "--worker-index", str(i), "--num-workers", str(workers), "--steps", str(case.worker_steps),
                 "--worker-name", f"psbench-run{run}-{case.wire_dtype}-worker{i}", "--wire-dtype", case.wire_dtype,
-                *_COMMON, separate_stdout=True,
+                *_COMMON, *extra, separate_stdout=True,
             ))
         return [_result(child, timeout) for child in running]
     finally:

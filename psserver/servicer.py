@@ -317,7 +317,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             header, parts, grads, release = self._receive(request_iterator, initialize=False, context=context)
         except (errors.PSError, ValueError) as exc:
-            self._store.note_rejected()
+            self._store.note_rejected(received=True)
             log.warning("push refused: %s", exc)
             _abort(context, exc)
         return self._push(context, header, parts, grads, release)
@@ -337,7 +337,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 chunks = (frames.Chunk(index, 0, data) for index, data in enumerate(request.data))
                 parts, grads, release = self._assemble(request.header, chunks, initialize=False, context=context)
         except (errors.PSError, ValueError) as exc:
-            self._store.note_rejected()
+            self._store.note_rejected(received=True)
             log.warning("push refused: %s", exc)
             _abort(context, exc)
         return self._push(context, request.header, parts, grads, release)

@@ -303,13 +303,8 @@ class ShardStore:
                 f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
                 f"but its current generation is {worker.generation}: re-register"
             )
-        if session is not None and not worker.secret:  # restored from a checkpoint: no session here yet
-            raise FencedError(f"worker {worker.name!r}: {worker.fenced or 'no session on this shard'}; re-register")
-        if session is not None and not hmac.compare_digest(session, worker.secret):
-            raise UnauthenticatedError(
-                f"the call for worker id {worker_id} (generation {generation}) does not carry that "
-                "registration's session secret"
-            )
+        # The registration's state first (Status shows it anyway), then its proof: a late call of
+        # a fenced worker is told to re-register whoever sends it.
         if worker.fenced:
             raise FencedError(f"worker {worker.name!r}: {worker.fenced}; re-register")
         if worker.evicted:
@@ -319,6 +314,11 @@ class ShardStore:
             )
         if not worker.live:
             raise FencedError(f"worker {worker.name!r} left the job: re-register")
+        if session is not None and not (worker.secret and hmac.compare_digest(session, worker.secret)):
+            raise UnauthenticatedError(
+                f"the call for worker id {worker_id} (generation {generation}) does not carry that "
+                "registration's session secret"
+            )
         worker.heard_at = self._now()
         return worker
 
@@ -605,9 +605,12 @@ class ShardStore:
         self._sync = SyncClock(spares=self._sync.sums)
         self._open_clock += 1
 
-    def note_rejected(self) -> None:
+    def note_rejected(self, *, received: bool = False) -> None:
+        """Count a refused push; ``received``: refused before :meth:`apply_push` saw it (which
+        counts every push it is handed), so that every push is counted received once."""
         with self._lock:
             self._counters.pushes_rejected += 1
+            self._counters.pushes_received += received
 
     # -- reads ------------------------------------------------------------------------------
 

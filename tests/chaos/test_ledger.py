@@ -12,7 +12,8 @@ Faults injected, each on some of the workers:
 - lost requests: the proxy cuts the connection as the push starts (the shard never sees it);
   the retry is the first copy the shard gets, and is applied once;
 - late duplicates: after training, a push far older than the dedupe window and one inside it
-  are sent again; both are acknowledged and neither applied.
+  are sent again; the old one is refused (its outcome is no longer known, so it is never
+  acknowledged as applied), the recent one acknowledged with its reply, and neither applied.
 
 With SGD at lr = 1 a gradient g changes a variable by exactly -g; the increments are integers in
 float64, so every sum is exact and any push applied twice (or lost) shows in the final values.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from pswire import errors
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
 from pswire.placement import model_spec
@@ -39,7 +41,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 WORKERS = 8
 STEPS = 80
 """Pushes per worker and shard: more than the shards' dedupe window (64), so the late duplicate
-of the first push is acknowledged from beyond the window."""
+of the first push comes from beyond the window."""
 FAULT_EVERY = 7
 """A proxied worker loses the request or the reply of every FAULT_EVERY-th push (on one shard)."""
 SHAPES = {"a": (5,), "b": (3, 4), "c": (7,), "d": (2, 2, 2)}
@@ -220,13 +222,15 @@ def _train(index: int, addresses: list[str], consistency: Consistency, stats: St
                             ledger[n] += grads[n]
             assert not any(p.armed() for p in proxies), "an injected fault never fired"
             if duplicating:
-                # Late duplicates: the first push, beyond the dedupe window by now, and a recent
-                # one, which must get its original reply again.
+                # Late duplicates: the first push, beyond the dedupe window by now, is refused (its
+                # outcome is no longer known, so it is never acknowledged as applied), and a recent
+                # one must get its original reply again. Neither is applied again.
                 for shard, session in enumerate(client._sessions):
                     first, recent = session.client.sent[0], session.client.sent[-3]
-                    for header, buffers, _ in (first, recent):
-                        again = session.client._inner.push(header, [memoryview(b) for b in buffers])
-                        stats.add(duplicates=Counter({shard: 1}))
+                    with pytest.raises(errors.PreconditionError, match="not known"):
+                        session.client._inner.push(first[0], [memoryview(b) for b in first[1]])
+                    again = session.client._inner.push(recent[0], [memoryview(b) for b in recent[1]])
+                    stats.add(duplicates=Counter({shard: 2}))
                     assert (again.version, again.action) == (recent[2].version, recent[2].action)
         finally:
             client.leave()  # so that no ssp peer waits on this worker, even when it failed
@@ -277,7 +281,7 @@ def test_final_values_equal_the_sum_of_acknowledged_pushes(shards, consistency):
     faults = len(proxies) * (STEPS // FAULT_EVERY)
     assert cuts["reply"] + cuts["request"] == faults, cuts
     for shard, s in enumerate(status):
-        assert s.pushes_rejected == 0
+        assert s.pushes_rejected == 2  # each duplicating worker's late copy from beyond the window
         assert s.pushes_applied == stats.applied[shard] and s.pushes_dropped == stats.dropped[shard]
         assert s.version == s.pushes_applied
         # Every copy that reached the shard is accounted for: handled once, or acknowledged again.

@@ -13,7 +13,7 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls")
 
 
 def _numbers(value, path: str):
@@ -62,15 +62,22 @@ def test_quick_run_reports_every_section(tmp_path):
     assert 0 <= doc["memory"]["adam"]["held_bytes"] - 3 * (doc["memory"]["size_mib"] << 20) < 4096
     assert doc["memory"]["adam"]["peak_rss_bytes"] > doc["memory"]["adam"]["held_bytes"]
 
+    # The same rounds and training with mutual TLS (gRPC and lanes) and in plaintext.
+    tls = doc["tls"]
+    assert (tls["goodput"]["plain"]["tls"], tls["goodput"]["tls"]["tls"]) == (False, True)
+    assert tls["goodput"]["plain"]["transport"] == tls["goodput"]["tls"]["transport"] == "lanes"
+    assert len(tls["training"]["plain_reps"]) == len(tls["training"]["tls_reps"]) == 1
+
     checks = {c["id"]: c for c in doc["checks"]}
-    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5"}
+    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6"}
     assert all(isinstance(c["passed"], bool) for c in checks.values()), checks
 
     env = doc["environment"]
     for key in ("python", "torch", "grpcio", "protobuf", "numpy", "psgrpc", "cpu_model", "usable_cores"):
         assert env[key], key
 
-    for heading in ("Baselines", "PS goodput", "Small operations", "Training", "Shard memory", "Checks"):
+    for heading in ("Baselines", "PS goodput", "Small operations", "Training", "Shard memory", "The cost of TLS",
+                    "Checks"):
         assert heading in proc.stdout, f"table lacks {heading!r}:\n{proc.stdout}"
 
 

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from psbench.checks import compute_checks
 from psbench.config import BenchConfig, parse_args, training_case
+from psbench.ps import GoodputResult
 from psbench.report import render
-from psbench.stats import LatencySummary, median, percentile
+from psbench.tls import TlsTrainingResult, goodput_comparison
+from psbench.stats import LatencySummary, median, median_ratio, percentile
 
 MIB = 1 << 20
 
@@ -19,6 +21,14 @@ MIB = 1 << 20
 @given(st.lists(st.floats(min_value=0, max_value=1e6), min_size=1, max_size=50), st.floats(min_value=0, max_value=100))
 def test_percentile_matches_numpy(values, q):
     assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-9)
+
+
+def test_median_ratio_pairs_figures_measured_together():
+    # Each pair shares its load: the median of the ratios, not the ratio of the medians (0.5).
+    assert median_ratio([1.0, 10.0, 3.0], [2.0, 10.0, 3.0]) == 1.0
+    for numerators, denominators in (([], []), ([1.0], [1.0, 2.0]), ([1.0], [0.0])):
+        with pytest.raises(ValueError):
+            median_ratio(numerators, denominators)
 
 
 def test_statistics_refuse_nothing_to_summarise():
@@ -33,7 +43,9 @@ def test_statistics_refuse_nothing_to_summarise():
 def test_only_brings_the_baselines_its_ratios_need():
     assert parse_args(["--only", "goodput"], env={}).plan().sections == ("baselines", "goodput")
     assert parse_args(["--only", "training"], env={}).plan().sections == ("training",)
-    assert parse_args([], env={}).plan().sections == ("baselines", "goodput", "latency", "training", "memory")
+    assert parse_args(["--only", "tls"], env={}).plan().sections == ("tls",)
+    assert parse_args([], env={}).plan().sections == ("baselines", "goodput", "latency", "training", "memory",
+                                                      "tls")
 
 
 def test_quick_plan_is_small_and_flags_override_it():
@@ -42,6 +54,15 @@ def test_quick_plan_is_small_and_flags_override_it():
     # The widest model runs twice: as it is and with bf16 on the wire.
     assert [(c.width, c.wire_dtype) for c in plan.training] == [(100, "none"), (100, "bf16")]
     assert parse_args([], env={"PSBENCH_REPS": "7"}).plan().transfer_reps == 7
+
+
+def test_tls_measures_the_size_nearest_64_mib_and_the_widest_model():
+    full, quick = parse_args([], env={}).plan(), parse_args(["--quick"], env={}).plan()
+    assert (full.tls_size_mib, full.tls_training.parameters) == (64, 4_300_810)
+    assert (quick.tls_size_mib, quick.tls_training.width) == (4, 100)
+    plan = parse_args(["--sizes", "8,256", "--widths", "100,1024"], env={}).plan()
+    assert (plan.tls_size_mib, plan.tls_training.width) == (8, 1024)
+    assert plan.to_dict()["tls_training"]["width"] == 1024
 
 
 @pytest.mark.parametrize("kwargs", [{"only": "nope"}, {"reps": 0}, {"sizes": "4,x"}, {"sizes": "4,4"},
@@ -121,3 +142,47 @@ def test_latency_check_uses_the_paired_echo():
     check = next(c for c in doc["checks"] if c["id"] == "4")
     assert check["passed"] is False and check["value"] == 2.0 and "2.00 / 1.00 ms" in check["detail"]
     assert "Small operations" in render(doc)
+
+
+def _rounds(seconds: list[float], tls: bool) -> GoodputResult:
+    """A 1 MiB model's rounds, push and pull taking half of each."""
+    half = [t / 2 for t in seconds]
+    return GoodputResult(1, 1, 2 * MIB, seconds, half, half, 0.1, [50 * MIB], [60 * MIB], [MIB],
+                         client_cpu_seconds=0.002, shard_cpu_seconds=0.004 if tls else 0.002,
+                         reference_seconds=[], tls=tls)
+
+
+def _workers(*rates: float) -> list[dict]:
+    return [{"samples_per_second": r, "samples": 6400, "seconds": 6400 / r} for r in rates]
+
+
+def test_tls_comparison_pairs_each_tls_figure_with_the_plaintext_one_beside_it():
+    goodput = goodput_comparison(_rounds([0.01, 0.01, 0.04], False), _rounds([0.02, 0.02, 0.04], True))
+    # Rounds 1 and 2 halve the goodput; round 3 (a loaded moment for both) does not count twice.
+    assert goodput["ratio"] == pytest.approx(0.5) and goodput["cpu_ratio"] == pytest.approx(1.5)
+    assert goodput["plain"]["tls"] is False and goodput["tls"]["tls"] is True
+    training = TlsTrainingResult(training_case(2048), plain=[_workers(800, 800), _workers(400, 400)],
+                                 tls=[_workers(700, 700), _workers(360, 360)], plain_shard_cpu_seconds=[2.0, 2.0],
+                                 tls_shard_cpu_seconds=[3.0, 3.0], workers=2, shards=2)
+    row = training.to_dict()
+    assert row["ratio"] == pytest.approx((0.875 + 0.9) / 2) and row["plain_samples_per_second"] == 1200
+    assert row["parameters"] == 4_300_810 and row["plain_reps"] == [1600, 800]
+    assert row["tls_shard_cpu_ms_per_step"] == pytest.approx(1e3 * 3.0 / 200)
+
+
+@pytest.mark.parametrize(("ratio", "passed"), [(0.9, True), (0.7, False)])
+def test_tls_check_and_table(ratio, passed):
+    training = {"width": 2048, "parameters": 4_300_810, "shards": 2, "workers": 2,
+                "plain_samples_per_second": 1000.0, "tls_samples_per_second": 1000.0 * ratio, "ratio": ratio,
+                "plain_shard_cpu_ms_per_step": 20.0, "tls_shard_cpu_ms_per_step": 30.0}
+    goodput = goodput_comparison(_rounds([0.01, 0.01], False), _rounds([0.02, 0.02], True))
+    doc = _doc(tls={"mutual": True, "goodput": goodput, "training": training})
+    check = next(c for c in doc["checks"] if c["id"] == "6")
+    assert check["passed"] is passed and check["value"] == ratio and check["threshold"] == 0.8
+    assert check["detail"] == f"{1000 * ratio:.0f} / 1000 samples/s"  # at the size the criterion names
+    text = render(doc)
+    assert "The cost of TLS" in text and "0.50" in text and f"{ratio:.2f}" in text
+    # Left out, the check is not measured; a smaller model stands in with a note.
+    assert next(c for c in _doc()["checks"] if c["id"] == "6")["passed"] is None
+    small = _doc(tls={"training": {**training, "width": 100, "parameters": 15_210}})
+    assert "(at 15210 parameters)" in next(c for c in small["checks"] if c["id"] == "6")["detail"]
