@@ -13,7 +13,8 @@ Anyone who reaches the bulk port may connect, so a lane earns every resource it 
   frame has begun, each piece must arrive within ``stall_seconds`` or the lane is closed and all
   it held is released. Idle lanes between frames stay (workers keep a few).
 - a lane's socket, TLS or not, is only ever used by its own thread: ``deliver`` queues the pull
-  and waits for that thread to send it.
+  and waits for that thread to send it. TLS (``pswire.tlsbio.TLSStream``) is negotiated there
+  too, never in the accept loop, within ``handshake_seconds``.
 
 A staged push waits in a table keyed by ``(lane, token)`` until the ``PushInline`` naming it
 claims it; a lane holds at most one staged push (its worker makes one call at a time), and its
@@ -41,6 +42,7 @@ from pswire.dtypes import UINT8
 from pswire.errors import (
     DeadlineError, InvalidArgumentError, OverloadedError, PSError, TooLargeError, UnavailableError,
 )
+from pswire.tlsbio import TLSStream
 from psserver.buffers import BufferPool
 from psserver.inflight import InflightBudget, Transfer
 
@@ -101,13 +103,13 @@ class _Delivery:
 @dataclass(eq=False)
 class _Lane:
     lane_id: int
-    sock: socket.socket
+    sock: socket.socket | TLSStream
     peer: str
     address: str
     owner: tuple[int, int] | None = None
     """``(worker_id, generation)`` once authenticated (guarded by ``LaneServer._lock``)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
-    """Guards ``sock`` (replaced by its TLS wrapper), ``closed``, ``outbox`` and the wake pair.
+    """Guards ``sock`` (replaced by its TLS stream), ``closed``, ``outbox`` and the wake pair.
     Taken after ``LaneServer._lock``, never before it."""
     closed: bool = False
     outbox: deque[_Delivery] = field(default_factory=deque)
@@ -283,10 +285,9 @@ class LaneServer:
             with lane.lock:
                 if lane.closed:
                     raise wire.LaneError("closed")
-                lane.sock = sock = self._ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            sock.settimeout(remaining())
+                lane.sock = sock = TLSStream(sock, self._ssl_context, server_side=True)
             try:
-                sock.do_handshake()
+                sock.handshake(remaining())
             except TimeoutError:
                 raise _Refused(f"no TLS handshake within {self._handshake_seconds:g}s") from None
             except OSError as exc:
@@ -342,10 +343,11 @@ class LaneServer:
         poller.register(sock.fileno(), select.POLLIN)
         poller.register(lane.wake_r.fileno(), select.POLLIN)
         header = memoryview(bytearray(wire.PUSH.size))
+        buffered = sock.pending if isinstance(sock, TLSStream) else None
         while True:
             self._send_queued(lane)
-            if isinstance(sock, ssl.SSLSocket) and sock.pending():
-                readable = True  # decrypted bytes that poll() cannot see
+            if buffered is not None and buffered():
+                readable = True  # bytes the TLS stream read ahead: poll() cannot see them
             else:
                 readable = False
                 for fd, _ in poller.poll():
@@ -460,9 +462,9 @@ class LaneServer:
         with lane.lock:
             lane.closed = True
             try:
-                # The plain socket's shutdown, also under TLS: it touches no TLS state (which
-                # belongs to the lane's thread), and that thread's next read or write fails.
-                socket.socket.shutdown(lane.sock, socket.SHUT_RDWR)
+                # The socket's shutdown, also under TLS (``TLSStream.shutdown``): it touches no
+                # TLS state (which belongs to the lane's thread), whose next read or write fails.
+                lane.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             _wake(lane)
@@ -488,7 +490,7 @@ class LaneServer:
             for job in queued:
                 job.state = "dropped"
             try:
-                socket.socket.shutdown(lane.sock, socket.SHUT_RDWR)
+                lane.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             lane.sock.close()

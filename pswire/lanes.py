@@ -12,7 +12,7 @@ A lane belongs to one worker session. On accepting it the shard sends a ``GREETI
 nonce; the worker answers ``AUTH`` with :func:`lane_proof`, an HMAC of the lane and the nonce under
 its session secret (``RegisterResponse.session``), so the secret never crosses the lane and a proof
 is good for that one lane only. The shard answers ``ACCEPT_TAG`` or closes the lane. Either side
-may wrap the TCP connection in TLS first; the frames are the same.
+may wrap the TCP connection in TLS first (``pswire.tlsbio.TLSStream``); the frames are the same.
 
 This module holds the framing both sides share; ``psserver.lanes`` and ``psworker.lanes`` are the
 two ends.
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import socket
 import struct
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 __all__ = [
     "ACCEPT_TAG", "AUTH", "AUTH_TAG", "GREETING", "GREETING_TAG", "NONCE_BYTES", "PULL", "PULL_TAG", "PUSH",
-    "PUSH_TAG", "LaneError", "lane_proof", "recv_exactly", "recv_into", "send_views",
+    "PUSH_TAG", "LaneError", "Stream", "lane_proof", "recv_exactly", "recv_into", "send_views",
 ]
 
 NONCE_BYTES = 16
@@ -54,6 +54,14 @@ _COALESCE = 64 << 10
 """Views shorter than this are joined into one send (a syscall each costs more than the copy)."""
 
 
+class Stream(Protocol):
+    """What a lane runs on: a ``socket.socket``, or a ``pswire.tlsbio.TLSStream`` around one."""
+
+    def settimeout(self, timeout: float | None) -> None: ...
+    def recv_into(self, buffer, nbytes: int = 0) -> int: ...
+    def sendall(self, data) -> None: ...
+
+
 class LaneError(ConnectionError):
     """A lane broke or spoke out of turn; the lane is closed and the call may be retried."""
 
@@ -64,7 +72,7 @@ def lane_proof(secret: bytes, lane_id: int, nonce: bytes) -> bytes:
     return hmac.new(secret, _PROOF_CONTEXT + struct.pack("<Q", lane_id) + nonce, hashlib.sha256).digest()
 
 
-def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+def recv_into(sock: Stream, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` from ``sock``; raises ``LaneError`` if the peer closes first and
     ``TimeoutError`` past the socket's timeout, or past ``deadline`` (``time.monotonic()``) for
     the whole view when one is given (then the socket's timeout is overwritten)."""
@@ -81,13 +89,13 @@ def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = No
         got += n
 
 
-def recv_exactly(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
+def recv_exactly(sock: Stream, size: int, deadline: float | None = None) -> bytes:
     buffer = bytearray(size)
     recv_into(sock, memoryview(buffer), deadline)
     return bytes(buffer)
 
 
-def send_views(sock: socket.socket, prefix: bytes, views: Sequence[memoryview]) -> None:
+def send_views(sock: Stream, prefix: bytes, views: Sequence[memoryview]) -> None:
     """Send ``prefix`` then every view in order, with no copy of the large ones."""
     pending = [prefix]
     for view in views:

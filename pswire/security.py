@@ -176,6 +176,7 @@ class ServerTLS:
         object.__setattr__(self, "_key", read_file(self.key_file, "--tls-key"))
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.options |= ssl.OP_NO_RENEGOTIATION  # a lane's TLS 1.2 peer cannot renegotiate mid-transfer
         try:
             context.load_cert_chain(self.cert_file, self.key_file)
         except (ssl.SSLError, OSError) as exc:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pswire import lanes as wire
+from pswire.tlsbio import TLSStream
 
 __all__ = ["Credentials", "Lane", "LanePool"]
 
@@ -38,7 +39,7 @@ class Lane:
     breaks; the caller then closes it. Only one thread uses it at a time, but ``abort`` may come
     from any thread."""
 
-    def __init__(self, sock: socket.socket, lane_id: int, port: int, epoch: int = 0) -> None:
+    def __init__(self, sock: socket.socket | TLSStream, lane_id: int, port: int, epoch: int = 0) -> None:
         self.sock = sock
         self.lane_id = lane_id
         self.port = port
@@ -72,9 +73,9 @@ class Lane:
     def abort(self) -> None:
         """Wake a thread blocked on this lane (its call failed); the lane is then closed."""
         try:
-            # The plain socket's shutdown, also under TLS: it leaves the TLS state to the thread
-            # using the lane, whose next read or write fails.
-            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+            # The socket's shutdown, also under TLS (``TLSStream.shutdown``): it leaves the TLS
+            # state to the thread using the lane, whose next read or write fails.
+            self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
@@ -147,18 +148,20 @@ class LanePool:
             return self._unreachable(port, exc)
         return Lane(sock, lane_id, port, epoch)
 
-    def _open(self, sock: socket.socket) -> socket.socket:
+    def _open(self, sock: socket.socket) -> socket.socket | TLSStream:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl_context is None:
             return sock
         try:
-            return self._ssl_context.wrap_socket(sock, server_hostname=self._server_hostname)
+            stream = TLSStream(sock, self._ssl_context, server_side=False, server_hostname=self._server_hostname)
+            stream.handshake(CONNECT_SECONDS)
         except BaseException:
             sock.close()
             raise
+        return stream
 
     @staticmethod
-    def _authenticate(sock: socket.socket, credentials: tuple[int, int, bytes]) -> int:
+    def _authenticate(sock: socket.socket | TLSStream, credentials: tuple[int, int, bytes]) -> int:
         """Answer the shard's greeting with the session's proof; the lane's id once accepted."""
         deadline = time.monotonic() + CONNECT_SECONDS
         tag, lane_id, nonce = wire.GREETING.unpack(wire.recv_exactly(sock, wire.GREETING.size, deadline))

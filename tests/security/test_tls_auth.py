@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import secrets
-import ssl
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pswire.consistency import Consistency
 from pswire.placement import model_spec, place
 from pswire.security import ClientSecurity, make_dev_pki, write_private_file
+from pswire.tlsbio import TLSStream
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from pswire.wire import consistency_to_proto, optimizer_to_proto
 from psworker.client import ClientOptions, PSClient
@@ -202,7 +202,7 @@ def test_a_worker_trains_and_an_operator_checkpoints_through_mutual_tls_and_toke
         client.push_pull({"w": torch.ones(512, 1024)}, pulled)
         assert torch.equal(pulled["w"], torch.full((512, 1024), -1.0))
         lane = client._clients[0].lanes.take()  # a lane the transfer gave back: it went over TLS
-        assert lane is not None and isinstance(lane.sock, ssl.SSLSocket) and lane.sock.version()
+        assert lane is not None and isinstance(lane.sock, TLSStream) and lane.sock.version()
         client._clients[0].lanes.give(lane)
 
 
