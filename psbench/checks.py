@@ -120,6 +120,23 @@ def _tls(results: dict, params: int = 4_300_810) -> Check:
     return _check("6", name, training["ratio"], ">=", 0.8, detail)
 
 
+def _metrics(results: dict, models: tuple[tuple[int, str], ...] = ((15_210, "15K"), (4_300_810, "4.3M"))) -> Check:
+    name = "metrics overhead within 3% on both MLPs"
+    runs = (results.get("metrics") or {}).get("training") or []
+    if not runs:
+        return _check("7", name, None, ">=", 0.97, "")
+    details = []
+    for params, label in models:
+        run = min(runs, key=lambda r: (abs(r["parameters"] - params), r["parameters"]))
+        if abs(run["parameters"] - params) > params // 10:
+            details.append(f"{label} not measured")
+        else:
+            details.append(f"{label} {run['on_samples_per_second']:.0f} / {run['off_samples_per_second']:.0f} "
+                           "samples/s")
+    # With metrics on / off: the worse of the models must stay within 3% of no metrics at all.
+    return _check("7", name, min(r["ratio"] for r in runs), ">=", 0.97, "; ".join(details))
+
+
 _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _tcp_ratio,
     lambda r: _size_ratio(r, 1, "2"),
@@ -130,6 +147,7 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _latency,
     _memory,
     _tls,
+    _metrics,
 )
 
 

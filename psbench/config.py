@@ -8,16 +8,22 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pswire.flags import add_fields, parse
 
 __all__ = ["SECTIONS", "BenchConfig", "Plan", "TrainingCase", "parse_args", "training_case"]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics")
 """Every section, in the order they run."""
 
 _NEEDS_BASELINES = ("goodput", "latency")
+
+METRICS_RUN_FACTOR = 5
+"""How many times a training run's worker steps the metrics section's runs take: scraped once a
+second, a run must last several seconds for the scrapes to weigh as they would (the training
+section's runs of the 15K and 4.3M MLPs now last 1-1.5 s: its step estimates, below, date from
+before the bulk lanes)."""
 
 
 def _f(default, help: str):
@@ -42,11 +48,11 @@ class BenchConfig:
     only: str = _f("", "Run only these sections, comma-separated, of: " + ", ".join(SECTIONS)
                    + ". goodput and latency bring baselines along (their ratios need it).")
     reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 5 for transfers "
-                          "and 3 for training; --quick: 2 and 1).")
+                          "and for metrics' pairs, 3 for training; --quick: 2, 1 and 1).")
     sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4). "
                     "tls measures the one nearest 64.")
     widths: str = _f("", "Hidden widths of the training MLPs, comma-separated (default: 100,1024,2048; --quick: 100). "
-                     "tls trains the widest.")
+                     "tls trains the widest; metrics the narrowest and the widest.")
     latency_calls: int | None = _f(None, "Timed calls per latency figure (default: 1000; --quick: 100).")
     keep_logs: str | None = _f(None, "Keep every child process's log in this directory (default: a temporary "
                                "one, removed).")
@@ -95,6 +101,12 @@ class BenchConfig:
             # The cost of TLS on the figures its criterion names: 64 MiB goodput, the widest MLP.
             tls_size_mib=min(sizes, key=lambda s: (abs(s - 64), s)),
             tls_training=training_case(max(widths), quick=quick),
+            # The cost of metrics on the smallest model (calls dominate) and the largest (bytes do).
+            metrics_training=tuple(
+                replace(case, worker_steps=case.worker_steps * (1 if quick else METRICS_RUN_FACTOR))
+                for case in (training_case(w, quick=quick) for w in sorted({min(widths), max(widths)}))
+            ),
+            metrics_reps=self.reps or (1 if quick else 5),
         )
 
 
@@ -162,6 +174,10 @@ class Plan:
     """Model size of the goodput with TLS and without: the size nearest 64 MiB."""
     tls_training: TrainingCase
     """The model trained with TLS and without: the widest."""
+    metrics_training: tuple[TrainingCase, ...]
+    """The models trained with metrics on and off: the narrowest and the widest."""
+    metrics_reps: int
+    """Pairs of cluster runs (metrics off, on) per model."""
 
     def to_dict(self) -> dict:
         return {
@@ -172,6 +188,7 @@ class Plan:
             "latency_warmup": self.latency_warmup, "small_bytes": self.small_bytes,
             "training": [_case_dict(c) for c in self.training],
             "tls_size_mib": self.tls_size_mib, "tls_training": _case_dict(self.tls_training),
+            "metrics_training": [_case_dict(c) for c in self.metrics_training], "metrics_reps": self.metrics_reps,
         }
 
 
@@ -188,7 +205,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         prog="psbench",
         description="Measure the parameter server against its limits on this machine (loopback): "
         "baselines (raw TCP, bare gRPC, local training), PS goodput, small-call latency, "
-        "training throughput, shard memory, and the cost of TLS. Prints a table and writes JSON.",
+        "training throughput, shard memory, and the cost of TLS and of metrics. Prints a table and writes JSON.",
         epilog="Every flag can also be set as PSBENCH_<FLAG> (e.g. PSBENCH_REPS=3); flags win.",
     )
     add_fields(parser, BenchConfig)

@@ -155,6 +155,33 @@ def _tls(tls: dict) -> list[str]:
         ["figure", "plaintext", "TLS", "TLS / plain"], rows)]
 
 
+def _metrics(metrics: dict) -> list[str]:
+    rows = []
+    for r in metrics.get("training") or []:
+        rows += [
+            [f"training W={r['width']} ({r['parameters']:,} parameters), {r['shards']} shards x {r['workers']} "
+             "workers, samples/s", f"{r['off_samples_per_second']:,.0f}", f"{r['on_samples_per_second']:,.0f}",
+             _ratio(r["ratio"])],
+            ["  shard CPU ms per worker step", f"{r['off_shard_cpu_ms_per_step']:.2f}",
+             f"{r['on_shard_cpu_ms_per_step']:.2f}",
+             _ratio(r["on_shard_cpu_ms_per_step"] / r["off_shard_cpu_ms_per_step"]
+                    if r["off_shard_cpu_ms_per_step"] else None)],
+        ]
+    lines = ["The cost of metrics: shards and workers with --metrics-port 0, every endpoint scraped each second, "
+             "against none, alternated in one run; on / off: median over repetitions of each pair", *_table(
+        ["figure", "off", "on", "on / off"], rows)]
+    if metrics.get("training"):
+        first = metrics["training"][0]
+        scrapes = {kind: sum(r["scrapes"].get(kind, 0) for r in metrics["training"]) for kind in ("shard", "worker")}
+        rss = first["shard_idle_rss_bytes"]
+        size = first.get("median_scrape_bytes")
+        lines.append(f"scrapes: {scrapes['shard']} of shards, {scrapes['worker']} of workers"
+                     + (f", median {first['median_scrape_seconds'] * 1e3:.1f} ms and {size / 1024:.1f} KiB (gzip)"
+                        if size else "")
+                     + f"; shard resident at start: {rss['off'] / MIB:.1f} MiB off, {rss['on'] / MIB:.1f} MiB on")
+    return lines
+
+
 def _checks(checks: list[dict]) -> list[str]:
     def verdict(c: dict) -> str:
         return {True: "PASS", False: "FAIL", None: "n/a"}[c["passed"]]
@@ -189,7 +216,8 @@ def render(doc: dict) -> str:
         lines.append(f"code: commit {source['commit'][:12]}"
                      + (f" with {len(modified)} modified product file(s): {', '.join(modified)}" if modified else ""))
     for key, render_section in (("baselines", _baselines), ("goodput", _goodput), ("latency", _latency),
-                                ("training", _training), ("memory", _memory), ("tls", _tls)):
+                                ("training", _training), ("memory", _memory), ("tls", _tls),
+                                ("metrics", _metrics)):
         if doc.get(key):
             lines += ["", *render_section(doc[key])]
     lines += ["", *_checks(doc["checks"])]

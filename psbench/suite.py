@@ -152,6 +152,13 @@ class _Run:
         training = measure_tls_training(self.children, plan.tls_training, pki, reps=plan.training_reps)
         return {"mutual": True, "goodput": goodput, "training": training.to_dict()}
 
+    def metrics(self) -> dict:
+        from psbench.metrics import measure_metrics_training
+
+        self._training_data()
+        return {"training": [measure_metrics_training(self.children, case, reps=self.plan.metrics_reps).to_dict()
+                             for case in self.plan.metrics_training]}
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _training_data(self) -> None:
@@ -206,7 +213,8 @@ def run(plan: Plan, workdir: Path) -> dict:
     with Children(workdir, env={DATA_ENV: str(data_path)}) as children:
         runner = _Run(plan, children, data_path)
         bodies = {"baselines": runner.baselines, "goodput": runner.goodput_section, "latency": runner.latency,
-                  "training": runner.training, "memory": runner.memory, "tls": runner.tls}
+                  "training": runner.training, "memory": runner.memory, "tls": runner.tls,
+                  "metrics": runner.metrics}
         try:
             for name in plan.sections:
                 runner.section(name, bodies[name])

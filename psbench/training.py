@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from psbench.config import TrainingCase
@@ -111,11 +111,11 @@ def run_local(children: Children, case: TrainingCase, *, timeout: float) -> dict
 
 def run_cluster(
     children: Children, case: TrainingCase, ps: str, *, workers: int, timeout: float, run: int = 0,
-    extra: Sequence[str] = (),
+    extra: Sequence[str] = (), started: Callable[[Child], None] | None = None,
 ) -> list[dict]:
     """``workers`` async workers started together against the shards at ``ps``, with ``extra``
-    flags (``--tls-ca ...``); returns every worker's result line. Raises ``ChildError`` when a
-    worker fails or runs past ``timeout``.
+    flags (``--tls-ca ...``); ``started`` is told of each worker as it starts. Returns every
+    worker's result line. Raises ``ChildError`` when a worker fails or runs past ``timeout``.
 
     Worker names carry ``run``: a worker joining under a name the shards know resumes that
     worker's recorded progress, and one that had finished would have no steps left to time."""
@@ -128,6 +128,8 @@ def run_cluster(
                 "--worker-name", f"psbench-run{run}-{case.wire_dtype}-worker{i}", "--wire-dtype", case.wire_dtype,
                 *_COMMON, *extra, separate_stdout=True,
             ))
+            if started is not None:
+                started(running[-1])
         return [_result(child, timeout) for child in running]
     finally:
         for child in running:

@@ -77,7 +77,10 @@ def parse_schedule(text: str) -> Schedule | None:
 class Checkpointer:
     """Writes this shard's checkpoint parts; restores the newest complete one at start-up.
 
-    ``_lock`` serialises writes (the periodic thread and on-demand requests).
+    ``_lock`` serialises writes (the periodic thread and on-demand requests); only writers
+    change ``last_id``, ``last_path``, ``failures`` and ``last_success_unix``, which metrics
+    read without it (a scrape must not wait for a write). ``on_written`` (metrics) is called
+    with the seconds each successful write took.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Checkpointer:
         schedule: Schedule | None = None,
         now: Callable[[], float] = time.time,
         failpoint: Callable[[str], None] | None = None,
+        on_written: Callable[[float], None] | None = None,
     ) -> None:
         self._store = store
         self._files = CheckpointStore(directory, keep=keep, failpoint=failpoint)
@@ -98,6 +102,11 @@ class Checkpointer:
         self._lock = threading.Lock()
         self.last_id = 0
         self.last_path = ""
+        self.failures = 0
+        """Writes that failed (the directory unwritable, a part that could not be saved)."""
+        self.last_success_unix = 0.0
+        """Wall-clock time the last write succeeded; 0 before any."""
+        self._on_written = on_written
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,14 +124,27 @@ class Checkpointer:
         version, tensors, metadata = exported
         job = metadata["job"]
         started = time.monotonic()
-        path = self._files.write(
-            checkpoint_id, job["shard_index"], job["num_shards"], ShardPart(tensors, metadata)
-        )
-        self.last_id, self.last_path = checkpoint_id, str(path)
+        try:
+            path = self._files.write(
+                checkpoint_id, job["shard_index"], job["num_shards"], ShardPart(tensors, metadata)
+            )
+        except Exception:
+            self.failures += 1
+            raise
+        seconds = time.monotonic() - started
+        self.last_id, self.last_path, self.last_success_unix = checkpoint_id, str(path), self._now()
+        if self._on_written is not None:
+            self._on_written(seconds)
         complete = self._files.is_complete(checkpoint_id, job["num_shards"])
         log.info("checkpoint %d written to %s in %.2fs (version %d%s)", checkpoint_id, path,
-                 time.monotonic() - started, version, ", complete" if complete else "")
+                 seconds, version, ", complete" if complete else "")
         return str(path), version, complete
+
+    @property
+    def schedule_seconds(self) -> float:
+        """The period of a seconds schedule (``--checkpoint-every 30s``); 0 for none or steps."""
+        schedule = self._schedule
+        return float(schedule.every) if schedule is not None and schedule.unit == "seconds" else 0.0
 
     def restore(self, shard_index: int, num_shards: int) -> int:
         """Load this shard's part of the newest complete checkpoint into the (fresh) store.

@@ -48,6 +48,8 @@ class ServerConfig:
     shard_index: int = field(default=-1, metadata={"help": "This shard's index in the job (needed by --restore)."})
     num_shards: int = field(default=0, metadata={"help": "Shards in the job (needed by --restore)."})
     grace: float = field(default=5.0, metadata={"help": 'Seconds in-flight RPCs get to finish on shutdown.'})
+    metrics_port: int | None = field(default=None, metadata={"help": 'Serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (psserver_* and process_*; docs/metrics.md); 0 picks a free port, which is logged ("metrics on http://HOST:PORT/metrics"). Unset: no endpoint (and prometheus_client is not loaded). The endpoint has no TLS or tokens: keep it on a network only Prometheus reaches.'})
+    metrics_host: str | None = field(default=None, metadata={"help": 'Interface of the metrics endpoint (needs --metrics-port); unset: --host.'})
     log_level: str = field(default="INFO", metadata={"help": "Logging level: DEBUG, INFO, WARNING, ERROR."})
 
     def __post_init__(self) -> None:
@@ -89,6 +91,21 @@ class ServerConfig:
         for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
             if getattr(self, name) == "":
                 raise ValueError(f"--{name.replace('_', '-')} is empty: give a file")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535 (0: any free port), got {self.metrics_port}")
+        if self.metrics_host is not None:
+            if self.metrics_port is None:
+                raise ValueError("--metrics-host needs --metrics-port")
+            if not self.metrics_host.strip():
+                raise ValueError("--metrics-host is empty: give an interface, e.g. 127.0.0.1")
+
+    @property
+    def metrics_address(self) -> str | None:
+        """The interface the metrics endpoint binds (``metrics_host``, else ``host``); None
+        without ``metrics_port``."""
+        if self.metrics_port is None:
+            return None
+        return self.metrics_host if self.metrics_host is not None else self.host
 
     def admission_caps(self) -> "AdmissionCaps":
         """The calls of each class this shard serves at once (``psserver.auth``)."""

@@ -10,6 +10,7 @@ import tempfile
 import threading
 from concurrent import futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,9 @@ from psserver.inflight import InflightBudget
 from psserver.lanes import LaneServer
 from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import ShardStore
+
+if TYPE_CHECKING:
+    from psserver.metrics import ShardMetrics
 
 __all__ = ["Shard", "create_server"]
 
@@ -49,10 +53,26 @@ class Shard:
     lanes: LaneServer | None = None
     admission: Admission | None = None
     servicer: ParameterServerServicer | None = None
+    metrics: "ShardMetrics | None" = None
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound port of the metrics endpoint; None without ``--metrics-port``."""
+        return self.metrics.port if self.metrics is not None else None
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://HOST:PORT/metrics``; None without ``--metrics-port``."""
+        address, port = self.config.metrics_address, self.metrics_port
+        if address is None or port is None:
+            return None
+        from psserver.metrics import metrics_url  # loaded already: the shard serves metrics
+
+        return metrics_url(address, port)
 
     def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, then let in-flight RPCs finish for ``grace`` seconds."""
@@ -66,6 +86,8 @@ class Shard:
             self.lanes.stop()
         if self.servicer is not None:
             self.servicer.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
 
 
 class _Reaper:
@@ -91,8 +113,9 @@ class _Reaper:
 
 
 def create_server(config: ServerConfig, *, store: ShardStore | None = None, failpoint=None) -> Shard:
-    """Build, bind and start a shard. Raises ``RuntimeError`` if the address cannot be bound or
-    a requested restore fails (naming why), ``ValueError`` if a TLS or token file cannot be read
+    """Build, bind and start a shard, with its metrics endpoint when ``config.metrics_port`` is
+    set. Raises ``RuntimeError`` if the address (or the metrics port) cannot be bound or a
+    requested restore fails (naming why), ``ValueError`` if a TLS or token file cannot be read
     or parsed (naming its flag and path)."""
     tls = ServerTLS(cert_file=config.tls_cert, key_file=config.tls_key, client_ca_file=config.tls_client_ca) \
         if config.tls_cert else None
@@ -104,7 +127,16 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
         max_model_bytes=config.max_model_bytes, max_workers=config.max_workers,
     )
     admission = Admission(caps)
-    interceptors = ([TokenAuth(tokens)] if tokens is not None else []) + [admission]
+    metrics = None
+    if config.metrics_port is not None:
+        # Imported only here: prometheus_client costs a shard 3.3 MiB that a shard without
+        # metrics keeps (psbench's memory check has little more to spare).
+        from psserver.metrics import ShardMetrics
+
+        metrics = ShardMetrics()
+    # The call timer goes first, so that it also times the calls the others refuse.
+    interceptors = ([metrics.rpc] if metrics is not None else []) \
+        + ([TokenAuth(tokens)] if tokens is not None else []) + [admission]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="psserver"),
         interceptors=interceptors,
@@ -123,7 +155,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     if config.checkpoint_dir:
         checkpointer = Checkpointer(
             store, config.checkpoint_dir, keep=config.keep, schedule=parse_schedule(config.checkpoint_every),
-            failpoint=failpoint,
+            failpoint=failpoint, on_written=metrics.checkpoint_written if metrics is not None else None,
         )
         if config.restore:
             try:
@@ -156,6 +188,22 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     add_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if metrics is not None:
+        from psserver.metrics import ShardCollector, metrics_url
+
+        metrics.watch(ShardCollector(store, traffic=servicer.traffic, budget=budget, checkpointer=checkpointer,
+                                     shard_index=config.shard_index, num_shards=config.num_shards))
+        try:
+            metrics.serve(config.metrics_address, config.metrics_port)
+        except RuntimeError:
+            if lanes is not None:
+                lanes.stop()
+            raise
+        log.info("metrics on %s", metrics_url(config.metrics_address, metrics.port))
+        if not is_loopback(config.metrics_address):
+            log.warning("metrics on %s are served without TLS or tokens: anyone who reaches that port reads the "
+                        "worker names, counters and sizes (no tensors, tokens or secrets)",
+                        metrics_url(config.metrics_address, metrics.port))
     if lanes is not None:
         lanes.start()
     server.start()
@@ -175,7 +223,8 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     reaper = _Reaper(store, lease) if lease else None
     if checkpointer is not None:
         checkpointer.start()
-    return Shard(server, port, store, health_servicer, config, reaper, checkpointer, lanes, admission, servicer)
+    return Shard(server, port, store, health_servicer, config, reaper, checkpointer, lanes, admission, servicer,
+                 metrics)
 
 
 def is_loopback(host: str) -> bool:

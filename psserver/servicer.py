@@ -4,6 +4,7 @@ status codes (one table), and nothing else."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -20,7 +21,7 @@ from psserver.lanes import LaneServer
 from psserver.store import PullSnapshot, Registration, ShardStore
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_from_proto, optimizer_to_proto
 
-__all__ = ["INLINE_LIMIT", "ParameterServerServicer", "STATUS_CODES", "add_to_server"]
+__all__ = ["INLINE_LIMIT", "ParameterServerServicer", "STATUS_CODES", "Traffic", "add_to_server"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,31 @@ def _views(snapshot: PullSnapshot) -> list[memoryview]:
     return [array_bytes(p.value) for p in snapshot.parts if p.value is not None]
 
 
+class Traffic:
+    """Tensor bytes of pushes received and of pulls sent, by transport (``grpc``: in gRPC
+    messages; ``lane``: on a bulk lane), counted where the bytes are taken or handed over."""
+
+    TRANSPORTS = ("grpc", "lane")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards _pushed and _pulled
+        self._pushed = dict.fromkeys(self.TRANSPORTS, 0)
+        self._pulled = dict.fromkeys(self.TRANSPORTS, 0)
+
+    def pushed(self, transport: str, nbytes: int) -> None:
+        with self._lock:
+            self._pushed[transport] += nbytes
+
+    def pulled(self, transport: str, nbytes: int) -> None:
+        with self._lock:
+            self._pulled[transport] += nbytes
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``(pushed, pulled)``: bytes by transport so far."""
+        with self._lock:
+            return dict(self._pushed), dict(self._pulled)
+
+
 def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     for cls in type(exc).__mro__:
         code = STATUS_CODES.get(cls)
@@ -119,6 +145,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._chunk_bytes = chunk_bytes
         self._max_request_bytes = max_request_bytes
         self._buffers = BufferPool()  # one free buffer per part and push once in flight at once
+        self.traffic = Traffic()
 
     def stop(self) -> None:
         """Stop the idle-stream watchdog (the server has stopped serving)."""
@@ -235,6 +262,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise
         if initialize:
             return parts, received, transfer.close
+        self.traffic.pushed("grpc", sum(p.nbytes for p in sent))
 
         def release() -> None:
             self._buffers.give(*received)
@@ -277,6 +305,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         buffer = self._lanes.claim(
             bulk.lane, bulk.token, total, _time_left(context), owner=(header.worker_id, header.generation)
         )
+        self.traffic.pushed("lane", total)
         views, copies, offset = [], [], 0
         for part in sent:
             piece = buffer[offset : offset + part.nbytes]
@@ -317,7 +346,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             header, parts, grads, release = self._receive(request_iterator, initialize=False, context=context)
         except (errors.PSError, ValueError) as exc:
-            self._store.note_rejected(received=True)
+            self._store.note_rejected(exc, received=True)
             log.warning("push refused: %s", exc)
             _abort(context, exc)
         return self._push(context, header, parts, grads, release)
@@ -337,7 +366,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 chunks = (frames.Chunk(index, 0, data) for index, data in enumerate(request.data))
                 parts, grads, release = self._assemble(request.header, chunks, initialize=False, context=context)
         except (errors.PSError, ValueError) as exc:
-            self._store.note_rejected(received=True)
+            self._store.note_rejected(exc, received=True)
             log.warning("push refused: %s", exc)
             _abort(context, exc)
         return self._push(context, request.header, parts, grads, release)
@@ -359,7 +388,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 session=header.session,
             )
         except (errors.PSError, ValueError) as exc:
-            self._store.note_rejected()
+            self._store.note_rejected(exc)
             log.warning("push refused: %s", exc)
             _abort(context, exc)
         finally:
@@ -432,6 +461,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     view = array_bytes(pulled.value)
                     for offset in range(0, len(view), step):  # encoded as the stream asks for them
                         yield frames.encode_chunk(index, offset, view[offset : offset + step])
+                    self.traffic.pulled("grpc", len(view))
 
     def PullInline(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.InlinePull:
         if request.HasField("bulk"):
@@ -439,9 +469,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         header, snapshot = self._snapshot(request, context)
         with snapshot:
             views = _views(snapshot)
-            if sum(map(len, views)) > INLINE_LIMIT:
+            nbytes = sum(map(len, views))
+            if nbytes > INLINE_LIMIT:
                 _abort(context, errors.TooLargeError(f"this shard holds over {INLINE_LIMIT} bytes: use Pull"))
-            return ps_pb2.InlinePull(header=header, data=[bytes(v) for v in views])
+            reply = ps_pb2.InlinePull(header=header, data=[bytes(v) for v in views])
+        self.traffic.pulled("grpc", nbytes)
+        return reply
 
     def _pull_on_lane(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.InlinePull:
         """Send the pull's header and bytes on the lane the request names, straight from the
@@ -460,7 +493,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 )
             except errors.PSError as exc:
                 _abort(context, exc)
-        return ps_pb2.InlinePull(header=header, bulk_bytes=sum(len(v) for v in views))
+        nbytes = sum(len(v) for v in views)
+        self.traffic.pulled("lane", nbytes)
+        return ps_pb2.InlinePull(header=header, bulk_bytes=nbytes)
 
     def Status(self, request: ps_pb2.StatusRequest, context: grpc.ServicerContext) -> ps_pb2.StatusResponse:
         s = self._store.status()

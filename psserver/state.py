@@ -113,30 +113,56 @@ class Counters:
     pushes_received: int = 0
     pushes_applied: int = 0
     pushes_rejected: int = 0
+    """Every push refused, the fenced and non-finite ones below included."""
     pushes_dropped: int = 0
     pushes_scaled: int = 0
+    pushes_duplicate: int = 0
+    """Pushes handled before (a retry): acknowledged again with their first reply, not re-applied."""
+    pushes_fenced: int = 0
+    """Pushes refused because their registration is void (evicted, left, replaced, restored)."""
+    pushes_nonfinite: int = 0
+    """Pushes refused for a non-finite gradient or an update that would have made state non-finite."""
     pulls_served: int = 0
     pull_wait_seconds: float = 0.0
+    pull_waits: dict[str, int] = field(default_factory=dict)
+    """Pulls that waited on the consistency bound, by the name of the slowest worker they waited
+    for ("" when none was behind: a sync clock not yet applied). Only names in the worker table,
+    which ``--max-workers`` bounds: a forgotten worker's entry goes with it."""
     workers_evicted: int = 0
     updates_nonfinite: int = 0
     """Updates refused whole because they would have made a variable or its state non-finite."""
     max_staleness: int = 0
     staleness_counts: list[int] = field(default_factory=lambda: [0] * STALENESS_BUCKETS)
+    staleness_sum: int = 0
+    """The sum of every staleness recorded (the histogram's sum)."""
+    staleness_beyond: int = 0
+    """Staleness values above the last bucket's (``STALENESS_BUCKETS - 1``), which that bucket
+    also counts: what tells 16 from 17 and more."""
 
     def record_staleness(self, staleness: int) -> None:
         self.max_staleness = max(self.max_staleness, staleness)
         self.staleness_counts[min(staleness, STALENESS_BUCKETS - 1)] += 1
+        self.staleness_sum += staleness
+        self.staleness_beyond += staleness > STALENESS_BUCKETS - 1
 
     def checkpointed(self) -> dict:
         """The counters a checkpoint keeps (the others count this process's traffic)."""
         return {"pushes_applied": self.pushes_applied, "pushes_dropped": self.pushes_dropped,
                 "pushes_scaled": self.pushes_scaled, "max_staleness": self.max_staleness,
-                "staleness_histogram": list(self.staleness_counts)}
+                "staleness_histogram": list(self.staleness_counts), "staleness_sum": self.staleness_sum,
+                "staleness_beyond": self.staleness_beyond}
 
     def restore(self, doc: dict) -> None:
-        """Carry on the counters of a checkpoint's :meth:`checkpointed` (those it lacks stay)."""
+        """Carry on the counters of a checkpoint's :meth:`checkpointed` (those it lacks stay).
+        A checkpoint written before the staleness sum was kept gets the sum its histogram
+        implies, each of the last bucket's values counted as that bucket's least."""
         self.pushes_applied = int(doc.get("pushes_applied", self.pushes_applied))
         self.pushes_dropped = int(doc.get("pushes_dropped", self.pushes_dropped))
         self.pushes_scaled = int(doc.get("pushes_scaled", self.pushes_scaled))
         self.max_staleness = int(doc.get("max_staleness", self.max_staleness))
         self.staleness_counts = [int(n) for n in doc.get("staleness_histogram", self.staleness_counts)]
+        if "staleness_histogram" in doc and "staleness_sum" not in doc:
+            self.staleness_sum = sum(i * n for i, n in enumerate(self.staleness_counts))
+            self.staleness_beyond = 0
+        self.staleness_sum = int(doc.get("staleness_sum", self.staleness_sum))
+        self.staleness_beyond = int(doc.get("staleness_beyond", self.staleness_beyond))

@@ -35,7 +35,10 @@ from psserver.job import (
 from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
 
-__all__ = ["PullSnapshot", "PulledPart", "PushResult", "RegisterResult", "Registration", "ShardState", "ShardStore"]
+__all__ = [
+    "NonFiniteError", "PullSnapshot", "PulledPart", "PushResult", "Reading", "RegisterResult", "Registration",
+    "ShardState", "ShardStore",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,37 @@ class ShardState(enum.Enum):
     EMPTY = "empty"
     INITIALIZING = "initializing"
     READY = "ready"
+
+
+class NonFiniteError(InvalidArgumentError):
+    """A push refused for a non-finite gradient, or for an update that would have made a
+    variable or its optimizer state non-finite (INVALID_ARGUMENT on the wire, like its parent;
+    counted apart from other refusals)."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The store's counters and gauges at one instant, read under its lock (for metrics)."""
+
+    shard_index: int | None
+    num_shards: int | None
+    mode: str
+    """The job's consistency mode, "" before a job."""
+    version: int
+    clock: int
+    variable_bytes: int
+    optimizer_state_bytes: int
+    workers: dict[str, int]
+    """Workers in each state: live, evicted, left, fenced (each counted in one)."""
+    evictions: int
+    pushes: dict[str, int]
+    """Pushes by outcome, each in one (``ShardStore.reading``)."""
+    staleness_counts: tuple[int, ...]
+    staleness_sum: int
+    staleness_beyond: int
+    pull_wait_seconds: float
+    pull_waits: dict[str, int]
+    """Pulls that waited on the bound, by the worker waited for: every worker in the table."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +274,7 @@ class ShardStore:
             )
         oldest = min(gone, key=lambda w: w.heard_at)
         del self._workers[oldest.name], self._by_id[oldest.worker_id]
+        self._counters.pull_waits.pop(oldest.name, None)  # its label goes with it: names stay bounded
 
     def session_secret(self, worker_id: int, generation: int) -> bytes | None:
         """The secret of registration ``(worker_id, generation)`` while it is live, else None
@@ -489,13 +524,21 @@ class ShardStore:
         clocks or progress that cannot be, ``NotReadyError`` before initialisation,
         ``PreconditionError`` for an unknown, departed or stale-generation worker.
         """
-        for part, grad in zip(parts, grads, strict=True):
-            check_finite(part, grad, "gradient")
-        check_count("sequence", sequence)
-        check_count("clock", clock)
-        check_count("base clock", base_clock)
-        for key, value in (data or {}).items():
-            check_count(f"data {key}", value)
+        try:
+            for part, grad in zip(parts, grads, strict=True):
+                try:
+                    check_finite(part, grad, "gradient")
+                except InvalidArgumentError as exc:
+                    raise NonFiniteError(str(exc)) from None
+            check_count("sequence", sequence)
+            check_count("clock", clock)
+            check_count("base clock", base_clock)
+            for key, value in (data or {}).items():
+                check_count(f"data {key}", value)
+        except InvalidArgumentError:
+            with self._lock:  # refused before the lock, but received all the same
+                self._counters.pushes_received += 1
+            raise
         with self._lock:
             self._counters.pushes_received += 1
             if self._state is not ShardState.READY:
@@ -510,6 +553,7 @@ class ShardStore:
                         "applied is not known"
                     )
                 log.info("push %d of %s already handled; acknowledged again", sequence, worker.name)
+                self._counters.pushes_duplicate += 1
                 return known
             if sequence > worker.max_sequence + self._dedupe_window:
                 raise InvalidArgumentError(
@@ -579,7 +623,7 @@ class ShardStore:
                 self._rule.verify(slot.value, grad, slot.state, lr_scale=lr_scale)
             except InvalidArgumentError as exc:
                 self._counters.updates_nonfinite += 1
-                raise InvalidArgumentError(f"push of {who} refused: {part.key!r}: {exc}") from None
+                raise NonFiniteError(f"push of {who} refused: {part.key!r}: {exc}") from None
 
     def _apply_aggregate(self) -> None:
         # Caller holds _lock. One update per sync clock: the mean of the gradients received.
@@ -605,21 +649,31 @@ class ShardStore:
         self._sync = SyncClock(spares=self._sync.sums)
         self._open_clock += 1
 
-    def note_rejected(self, *, received: bool = False) -> None:
-        """Count a refused push; ``received``: refused before :meth:`apply_push` saw it (which
+    def note_rejected(self, error: BaseException | None = None, *, received: bool = False) -> None:
+        """Count a refused push, as fenced (``FencedError``) or non-finite (``NonFiniteError``)
+        when ``error`` is one; ``received``: refused before :meth:`apply_push` saw it (which
         counts every push it is handed), so that every push is counted received once."""
         with self._lock:
             self._counters.pushes_rejected += 1
             self._counters.pushes_received += received
+            self._counters.pushes_fenced += isinstance(error, FencedError)
+            self._counters.pushes_nonfinite += isinstance(error, NonFiniteError)
 
     # -- reads ------------------------------------------------------------------------------
 
-    def _wait(self, ready: Callable[[], bool], deadline: float, on_timeout: Callable[[], Exception]) -> None:
+    def _wait(
+        self, ready: Callable[[], bool], deadline: float, on_timeout: Callable[[], Exception],
+        waiting_for: str | None = None,
+    ) -> None:
         # Caller holds _lock (through _changed). Waiting pulls are capped; see __init__.
+        # ``waiting_for``: the worker a wait on the consistency bound waits for (counted).
         if ready():
             return
         if self._waiting_pulls >= self._max_waiting_pulls:
             raise NotReadyError(f"{self._waiting_pulls} pulls already waiting on this shard; retry")
+        if waiting_for is not None:
+            waits = self._counters.pull_waits
+            waits[waiting_for] = waits.get(waiting_for, 0) + 1
         self._waiting_pulls += 1
         started = self._now()
         try:
@@ -728,7 +782,8 @@ class ShardStore:
             last = decide()
             return DeadlineError(f"pull of {name} at clock {clock} timed out waiting for {last.waiting_for}: {last.reason}")
 
-        self._wait(lambda: void() or decide().proceed, deadline, timed_out)
+        self._wait(lambda: void() or decide().proceed, deadline, timed_out,
+                   waiting_for=first.waiting_for or "")
 
     def status(self) -> dict:
         """Plain-data view of the shard for ``psctl status``."""
@@ -771,6 +826,42 @@ class ShardStore:
                 "staleness_histogram": list(self._counters.staleness_counts),
                 "uptime_seconds": now - self._started,
             }
+
+    def reading(self) -> Reading:
+        """Counters and gauges for metrics, read at once. Pushes by outcome count each push
+        once: ``applied`` at the full learning rate (in sync: each clock's one update, the mean
+        of its gradients), ``scaled`` (applied at learning rate / staleness), ``dropped``,
+        ``duplicate``, ``fenced``, ``nonfinite`` and ``rejected`` (every other refusal)."""
+        with self._lock:
+            job = self._job
+            c = self._counters
+            states = dict.fromkeys(("live", "evicted", "left", "fenced"), 0)
+            for w in self._workers.values():
+                states["fenced" if w.fenced else "evicted" if w.evicted else "live" if w.live else "left"] += 1
+            return Reading(
+                shard_index=job.shard_index if job else None,
+                num_shards=job.num_shards if job else None,
+                mode=job.consistency.mode.value if job else "",
+                version=self._version,
+                clock=self._current_clock(),
+                variable_bytes=sum(p.nbytes for p in job.parts) if job else 0,
+                optimizer_state_bytes=sum(t.nbytes for s in self._slots.values() for t in s.state.values()),
+                workers=states,
+                evictions=c.workers_evicted,
+                pushes={
+                    "applied": c.pushes_applied - c.pushes_scaled, "scaled": c.pushes_scaled,
+                    "dropped": c.pushes_dropped, "duplicate": c.pushes_duplicate, "fenced": c.pushes_fenced,
+                    "nonfinite": c.pushes_nonfinite,
+                    "rejected": c.pushes_rejected - c.pushes_fenced - c.pushes_nonfinite,
+                },
+                staleness_counts=tuple(c.staleness_counts),
+                staleness_sum=c.staleness_sum,
+                staleness_beyond=c.staleness_beyond,
+                pull_wait_seconds=c.pull_wait_seconds,
+                # Every known worker from the start (0 until a pull waits for it), so that a rate
+                # sees the first wait.
+                pull_waits={**dict.fromkeys(self._workers, 0), **c.pull_waits},
+            )
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -55,6 +56,15 @@ class PSClient:
 
     Calls fan out to all shards concurrently and return when every shard has answered; an error
     from any shard is raised (the first one, as a ``pswire.errors`` error).
+
+    With ``ClientOptions.on_exchange`` set, every push, pull and push-and-pull that succeeds
+    reports the seconds of its slowest shard's call (the shards run concurrently, so that call
+    is the exchange's length, retries included) as ``(push, pull, wait)``: a push alone is push;
+    a pull alone is pull, or wait when the shard may hold it on the ssp/sync bound; a
+    push-and-pull in async is split between push and pull by the bytes each way, and in ssp/sync
+    is wait. A call's inside is not visible from here, so in ssp/sync "wait" is the time the
+    shard held the exchange, the call's own transfer included (an upper bound of the wait on
+    the bound); in async nothing waits and it is 0.
     """
 
     def __init__(self, addresses: str | Sequence[str], options: ClientOptions | None = None) -> None:
@@ -265,8 +275,10 @@ class PSClient:
         at once: for evaluation, never for training steps)."""
         sessions = self._require_sessions()
         may_wait = wait and self.consistency.mode is not Mode.ASYNC
+        timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
         def one(session: _ShardSession) -> int:
+            started = time.monotonic()
             request, dest, nbytes = self._pull_request(
                 session, destinations, skip_unchanged=skip_unchanged, may_wait=may_wait, clock=session.clock
             )
@@ -274,9 +286,14 @@ class PSClient:
                 lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait),
                 self.options, session.client.address, "pull",
             )
-            return self._pulled(session, header, written, destinations)
+            version = self._pulled(session, header, written, destinations)
+            if timings is not None:
+                timings.append(_phases(time.monotonic() - started, 0, 0, may_wait))
+            return version
 
-        return self._fan_out_waiting(one, sessions, may_wait)
+        versions = self._fan_out_waiting(one, sessions, may_wait)
+        self._report(timings)
+        return versions
 
     def _fan_out_waiting(self, fn, sessions: list[_ShardSession], may_wait: bool) -> list:
         """``_fan_out``, logging every few seconds which worker a waiting call is held back by."""
@@ -313,16 +330,22 @@ class PSClient:
         are skipped (``None`` in the result); in ssp/sync they get an empty push, which advances
         this worker's clock there."""
         sessions = self._require_sessions()
+        timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
+            started = time.monotonic()
             message = self._push_message(session, grads, data)
             if message is None:
                 return None
             reply = _retrying(lambda: session.client.push(*message), self.options, session.client.address, "push")
             session.clock += 1
+            if timings is not None:
+                timings.append((time.monotonic() - started, 0.0, 0.0))
             return reply
 
-        return self._fan_out(one, sessions)
+        replies = self._fan_out(one, sessions)
+        self._report(timings)
+        return replies
 
     def push_pull(
         self, grads: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor], *,
@@ -337,8 +360,10 @@ class PSClient:
         sessions = self._require_sessions()
         may_wait = self.consistency.mode is not Mode.ASYNC
         bases = dict(zip(map(id, sessions), base_versions)) if base_versions is not None else {}
+        timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
+            started = time.monotonic()
             message = self._push_message(session, grads, data, bases.get(id(session)))
             request, dest, nbytes = self._pull_request(
                 session, destinations, skip_unchanged=True, may_wait=may_wait,
@@ -357,9 +382,19 @@ class PSClient:
                     lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
                 )
             self._pulled(session, header, written, destinations)
+            if timings is not None:
+                pushed = sum(len(b) for b in message[1]) if message is not None else 0
+                timings.append(_phases(time.monotonic() - started, pushed, nbytes, may_wait))
             return reply
 
-        return self._fan_out_waiting(one, sessions, may_wait)
+        replies = self._fan_out_waiting(one, sessions, may_wait)
+        self._report(timings)
+        return replies
+
+    def _report(self, timings: list[tuple[float, float, float]] | None) -> None:
+        """Hand the phases of the slowest shard's call to ``options.on_exchange``."""
+        if timings:
+            self.options.on_exchange(*max(timings, key=sum))
 
     def versions(self) -> list[int]:
         """Each shard's version as of this worker's last pull."""
@@ -409,6 +444,16 @@ class PSClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _phases(seconds: float, pushed: int, pulled: int, may_wait: bool) -> tuple[float, float, float]:
+    """``(push, pull, wait)`` of one shard's call of ``seconds`` that sent ``pushed`` bytes and
+    asked for ``pulled``: all wait when the shard may hold it on the bound, else split by bytes
+    (a pull alone, ``pushed == 0``, is all pull)."""
+    if may_wait:
+        return 0.0, 0.0, seconds
+    push = seconds * pushed / (pushed + pulled) if pushed else 0.0
+    return push, seconds - push, 0.0
 
 
 def _rows(tensor: torch.Tensor, part: Part) -> torch.Tensor:

@@ -13,6 +13,12 @@ re-registers and resumes from the data position the shards recorded for it. A wo
 ``--tls`` runs the shards with mutual TLS, with a throwaway CA and certificates made in the run
 directory; ``--auth`` makes them check tokens, fresh ones written there too (workers get theirs
 through the environment, never on a command line). The two go together or alone.
+
+``--metrics`` starts every shard and worker with ``--metrics-port 0`` and logs the address each
+one reports (``metrics on http://HOST:PORT/metrics``); ``--metrics-sd-file F`` (which implies
+it) keeps F a Prometheus file-based service discovery file listing them (``docs/metrics.md``),
+rewritten atomically whenever a child, restarted, reports a new address, and emptied when the
+cluster stops.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +58,8 @@ _RESERVED_WORKER_FLAGS = {"--ps", "--worker-index", "--num-workers", "--task", "
 _RESERVED_SHARD_FLAGS = {"--host", "--port", "--port-file", "--shard-index", "--num-shards", "--restore"}
 _TLS_WORKER_FLAGS = {"--tls-ca", "--tls-cert", "--tls-key"}
 _TLS_SHARD_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca"}
+# What a shard or worker logs once its metrics endpoint is up (docs/metrics.md).
+_METRICS_LINE = re.compile(r"\bmetrics on http://(\S+?)/metrics\b")
 
 
 class _Proc:
@@ -59,10 +67,13 @@ class _Proc:
     stdout that parses as JSON is kept as its result, and the first line that matches ``ready``
     (with the time it came) as its sign of readiness."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: re.Pattern | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: re.Pattern | None = None,
+                 on_metrics: Callable[[str], None] | None = None) -> None:
         self.name = name
         self.result: dict | None = None
         self.ready = ready
+        self.on_metrics = on_metrics
+        """Called (from a relay thread) with the ``HOST:PORT`` of the child's metrics endpoint."""
         self.ready_match: re.Match | None = None
         self.ready_at: float | None = None
         self.popen = subprocess.Popen(
@@ -91,6 +102,8 @@ class _Proc:
                 if match:
                     self.ready_at, self.ready_match = time.monotonic(), match
             print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+            if self.on_metrics is not None and (match := _METRICS_LINE.search(line)):
+                self.on_metrics(match[1])
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.popen.poll() is None:
@@ -201,12 +214,22 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         help="mutual TLS: make a throwaway CA, a server certificate (names 127.0.0.1, localhost "
                         "and --host) and a client certificate in the run directory; the shards require the client "
                         "certificate, which every worker and the final evaluation present")
+    parser.add_argument("--metrics", action="store_true",
+                        help="start every shard and worker with --metrics-port 0 (Prometheus metrics, "
+                        "docs/metrics.md) and log the address each one serves them on")
+    parser.add_argument("--metrics-sd-file", metavar="FILE",
+                        help="write FILE, a Prometheus file-based service discovery file listing every shard's "
+                        "(job psserver) and worker's (job psworker) metrics address, rewritten atomically when a "
+                        "restarted child serves on a new port and emptied when the cluster stops; implies --metrics")
     parser.add_argument("--auth", action="store_true",
                         help="tokens: write fresh worker, reader and admin tokens to a token file in the run "
                         f"directory (mode 600) for the shards; workers get the worker token through {TOKEN_ENV}, "
                         "the final evaluation uses the reader token, and the admin token's file is logged for "
                         "psctl --token-file")
     args, worker_args = parser.parse_known_args(argv)
+    args.metrics = args.metrics or args.metrics_sd_file is not None
+    if args.metrics_sd_file is not None and not Path(args.metrics_sd_file).resolve().parent.is_dir():
+        parser.error(f"--metrics-sd-file {args.metrics_sd_file}: its directory does not exist")
     if args.shards < 1 or args.workers < 1:
         parser.error("--shards and --workers must be >= 1")
     if args.max_restarts < 0:
@@ -217,17 +240,18 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
         parse_schedule(args.checkpoint_every)
     except ValueError as exc:
         parser.error(str(exc))
+    metrics_reserved = {"--metrics-port"} if args.metrics else set()
     worker_reserved = _RESERVED_WORKER_FLAGS | (_TLS_WORKER_FLAGS if args.tls else set()) | (
-        {"--token-file"} if args.auth else set())
+        {"--token-file"} if args.auth else set()) | metrics_reserved
     shard_reserved = _RESERVED_SHARD_FLAGS | (_TLS_SHARD_FLAGS if args.tls else set()) | (
-        {"--auth-token-file"} if args.auth else set())
+        {"--auth-token-file"} if args.auth else set()) | metrics_reserved
     clash = [a for a in worker_args if a.split("=")[0] in worker_reserved]
     clash += [a for a in args.shard_arg if a.split("=")[0] in shard_reserved]
     if clash:
         parser.error(f"pscluster sets {', '.join(clash)} itself")
     # Validate the worker and shard flags now, not in M or N failing children.
     worker = build_parser("pscluster (worker flags)").parse_args(
-        [*worker_args, "--ps", "127.0.0.1:1", "--task", args.task]
+        [*worker_args, "--ps", "127.0.0.1:1", "--task", args.task, *_metrics_flags(args)]
     )
     args.seed = worker.seed or 0  # the final evaluation builds the task with the workers' seed
     _shard_config(args, Path("<run directory>"))
@@ -245,7 +269,82 @@ def _shard_config(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, st
     if args.restart:
         env.setdefault("PSSERVER_CHECKPOINT_DIR", str(run_dir / "checkpoints"))
         env.setdefault("PSSERVER_CHECKPOINT_EVERY", args.checkpoint_every)
-    return env, parse_shard_args(args.shard_arg, env)
+    return env, parse_shard_args([*args.shard_arg, *_metrics_flags(args)], env)
+
+
+def _metrics_flags(args: argparse.Namespace) -> list[str]:
+    """What every child gets with ``--metrics``: a free port, reported in its log."""
+    return ["--metrics-port", "0"] if args.metrics else []
+
+
+def sd_target(address: str) -> str:
+    """The scrape target of a metrics endpoint reported as ``HOST:PORT``: an endpoint on every
+    interface is scraped on loopback."""
+    host, _, port = address.rpartition(":")
+    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}.get(host, host)
+    return f"{host}:{port}"
+
+
+def sd_groups(shards: Sequence[str], workers: Sequence[str]) -> list[dict]:
+    """The target groups of a Prometheus file-based service discovery file (docs/metrics.md)."""
+    return [{"targets": list(shards), "labels": {"job": "psserver"}},
+            {"targets": list(workers), "labels": {"job": "psworker"}}]
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename: a reader (Prometheus) sees the old file or
+    the new one, never part of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _MetricsTargets:
+    """The metrics address every child last reported, and the service discovery file kept from
+    them (when asked for one)."""
+
+    def __init__(self, sd_file: Path | None, shards: int, workers: int) -> None:
+        """Writes ``sd_file``, listing no targets yet."""
+        self.sd_file = sd_file
+        self._lock = threading.Lock()  # guards _addresses and the file's writes, from the relay threads
+        self._addresses: dict[tuple[str, int], str] = {}
+        """(role, index) -> HOST:PORT."""
+        self._counts = {"shard": shards, "worker": workers}
+        self._closed = False
+        if sd_file is not None:
+            self._write()
+
+    def reported(self, name: str, role: str, index: int, address: str) -> None:
+        target = sd_target(address)
+        with self._lock:
+            if self._closed or self._addresses.get((role, index)) == target:
+                return
+            self._addresses[role, index] = target
+            log.info("%s metrics on http://%s/metrics", name, target)
+            if self.sd_file is not None:
+                self._write()
+
+    def _write(self) -> None:
+        # Caller holds _lock (or is the constructor).
+        assert self.sd_file is not None
+        lists = {role: [self._addresses[role, i] for i in range(n) if (role, i) in self._addresses]
+                 for role, n in self._counts.items()}
+        try:
+            write_atomically(self.sd_file, json.dumps(sd_groups(lists["shard"], lists["worker"]), indent=2) + "\n")
+        except OSError as exc:
+            log.error("cannot write the service discovery file %s: %s", self.sd_file, exc)
+
+    def clear(self) -> None:
+        """List no targets any more: the cluster has stopped."""
+        with self._lock:
+            self._closed = True
+            self._addresses.clear()
+            if self.sd_file is not None:
+                self._write()
+                log.info("emptied the metrics service discovery file %s", self.sd_file)
 
 
 @dataclass
@@ -316,6 +415,10 @@ class _Cluster:
         self.workers: list[_Child] = []
         self.recoveries: list[_Recovery] = []
         self.ps = ""
+        self.metrics: _MetricsTargets | None = None
+        if args.metrics:
+            sd_file = Path(args.metrics_sd_file).resolve() if args.metrics_sd_file else None
+            self.metrics = _MetricsTargets(sd_file, args.shards, args.workers)
 
     @property
     def children(self) -> list[_Child]:
@@ -325,25 +428,33 @@ class _Cluster:
         return [sys.executable, "-m", "psserver", "--host", self.args.host, "--port", str(self.ports[i]),
                 "--port-file", str(self.port_files[i]), "--shard-index", str(i),
                 "--num-shards", str(self.args.shards), *self.credentials.shard_args, *self.args.shard_arg,
-                *(["--restore"] if restore else [])]
+                *_metrics_flags(self.args), *(["--restore"] if restore else [])]
 
     def _worker_argv(self, i: int) -> list[str]:
         return [sys.executable, "-m", "psworker", "--ps", self.ps, "--task", self.args.task,
                 "--worker-index", str(i), "--num-workers", str(self.args.workers),
-                "--progress", "log", "--threads", str(self.threads), *self.credentials.worker_args, *self.worker_args]
+                "--progress", "log", "--threads", str(self.threads), *self.credentials.worker_args,
+                *_metrics_flags(self.args), *self.worker_args]
+
+    def _proc(self, role: str, index: int, argv: list[str], env: dict[str, str],
+              ready: re.Pattern | None = None) -> _Proc:
+        name = f"{role}{index}"
+        targets = self.metrics
+        on_metrics = (lambda address: targets.reported(name, role, index, address)) if targets is not None else None
+        return _Proc(name, argv, env, ready, on_metrics)
 
     def start(self, interrupted: threading.Event) -> None:
         if self.args.restart:
             log.info("--restart: shards checkpoint to %s; a shard that dies restarts from there",
                      self.checkpoint_dir)
-        self.shards = [_Child(f"shard{i}", "shard", i, _Proc(f"shard{i}", self._shard_argv(i, False), self.env))
+        self.shards = [_Child(f"shard{i}", "shard", i, self._proc("shard", i, self._shard_argv(i, False), self.env))
                        for i in range(self.args.shards)]
         self.ports = _wait_ports(self.shards, self.port_files, self.args.start_timeout, interrupted)
         self.ps = ",".join(f"{self.args.host}:{p}" for p in self.ports)
         log.info("%d shard(s) listening: %s", self.args.shards, self.ps)
         self.workers = [
             _Child(f"worker{i}", "worker", i,
-                   _Proc(f"worker{i}", self._worker_argv(i), self.worker_env, _WORKER_STARTED))
+                   self._proc("worker", i, self._worker_argv(i), self.worker_env, _WORKER_STARTED))
             for i in range(self.args.workers)
         ]
 
@@ -364,12 +475,13 @@ class _Cluster:
             self.port_files[child.index].unlink(missing_ok=True)
             log.warning("%s (pid %d) died: %s; restarting it (restart %d of %d) %s", child.name, old_pid, reason,
                         child.restarts, self.args.max_restarts, how)
-            child.proc = _Proc(child.name, self._shard_argv(child.index, restore), self.env)
+            child.proc = self._proc("shard", child.index, self._shard_argv(child.index, restore), self.env)
         else:
             log.warning("%s (pid %d) died: %s; restarting it (restart %d of %d) with the same flags: it "
                         "re-registers and resumes from the data position the shards recorded", child.name,
                         old_pid, reason, child.restarts, self.args.max_restarts)
-            child.proc = _Proc(child.name, self._worker_argv(child.index), self.worker_env, _WORKER_STARTED)
+            child.proc = self._proc("worker", child.index, self._worker_argv(child.index), self.worker_env,
+                                    _WORKER_STARTED)
         child.recovering = _Recovery(child.name, reason, old_pid, child.proc.popen.pid, died_at)
         self.recoveries.append(child.recovering)
 
@@ -424,6 +536,8 @@ class _Cluster:
     def stop(self) -> None:
         for child in reversed(self.children):
             child.proc.stop()
+        if self.metrics is not None:
+            self.metrics.clear()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -72,6 +72,11 @@ class WorkerConfig:
                          "results go to \"evals\" in the JSON line.")
     record_losses: bool = _f(False, "Include every step's loss in the JSON result (\"losses\").", flag=True)
     log_level: str = _f("INFO", "Logging level.")
+    metrics_port: int | None = _f(None, "Serve Prometheus metrics (psworker_* and process_*; docs/metrics.md) at "
+                                  "http://METRICS_HOST:PORT/metrics while training; 0 picks a free port, which is "
+                                  "logged (\"metrics on http://HOST:PORT/metrics\"). Unset: no endpoint. The "
+                                  "endpoint has no TLS or tokens: keep it where only Prometheus reaches.")
+    metrics_host: str = _f("127.0.0.1", "Interface of the metrics endpoint (with --metrics-port).")
     tls_ca: str | None = _f(None, "PEM bundle of the CA that signed the shards' certificates: talk TLS to them "
                             "(their certificates must name the host in --ps).")
     tls_cert: str | None = _f(None, "PEM certificate of this worker, for shards that require client certificates "
@@ -118,6 +123,10 @@ class WorkerConfig:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
         if min(self.log_every, self.rpc_timeout, self.connect_timeout, self.wait_timeout) <= 0:
             raise ValueError("--log-every, --rpc-timeout, --connect-timeout and --wait-timeout must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 0..65535 (0: any free port), got {self.metrics_port}")
+        if not self.metrics_host.strip():
+            raise ValueError("--metrics-host is empty: give an interface, e.g. 127.0.0.1")
 
     @property
     def security(self) -> ClientSecurity | None:

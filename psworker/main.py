@@ -1,7 +1,9 @@
-"""``psworker``: train a task against the shards and print one JSON line with the result."""
+"""``psworker``: train a task against the shards and print one JSON line with the result; with
+``--metrics-port``, serve its Prometheus metrics meanwhile (``psworker.metrics``)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import signal
@@ -23,16 +25,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # SIGTERM ends the run like Ctrl-C: the finally blocks close the channels.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    server = None
     try:
-        result = train(config)
+        if config.metrics_port is not None:
+            from psworker.metrics import serve  # loads prometheus_client only when asked to
+
+            try:
+                server = serve(config.metrics_host, config.metrics_port)
+            except OSError as exc:
+                log.error("%s: %s", config.name, exc)
+                return 1
+            log.info("metrics on %s", server.url)
+            if not _loopback(config.metrics_host):
+                log.warning("metrics on %s are served without TLS or tokens: anyone who reaches that port reads "
+                            "them", server.url)
+        result = train(config, registry=server.registry if server is not None else None)
     except KeyboardInterrupt:
         log.error("%s: interrupted", config.name)
         return 130
     except (PSError, ValueError, FloatingPointError) as exc:
         log.error("%s: %s", config.name, exc)
         return 1
+    finally:
+        if server is not None:
+            server.close()
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -118,6 +118,13 @@ class ClientOptions:
     security: ClientSecurity | None = None
     """TLS (the shards' CA; a client certificate for mutual TLS) and the bearer token every call
     carries; None: plaintext without a token."""
+    on_retry: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+    """Called with what is retried (``"push"``, ``"pull"``, ...) each time a call is retried
+    after the shard was unreachable, too slow or overloaded (a hook for metrics; it must not
+    raise). The channel's own transparent retries of reads are not seen here."""
+    on_exchange: Callable[[float, float, float], None] | None = field(default=None, compare=False, repr=False)
+    """Called after each ``PSClient`` push, pull and push-and-pull with its seconds split into
+    ``(push, pull, wait)`` (see ``PSClient``; a hook for metrics; it must not raise)."""
 
     def __post_init__(self) -> None:
         if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout) <= 0:
@@ -162,6 +169,8 @@ def _retrying(call, options: ClientOptions, address: str, what: str,
                 raise type(exc)(f"{exc} (gave up after {within:.0f}s)") from exc
             level = logging.INFO if isinstance(exc, errors.OverloadedError) else logging.WARNING
             log.log(level, "%s to %s failed (%s); retrying in %.2fs", what, address, exc, pause)
+            if options.on_retry is not None:
+                options.on_retry(what)
             threading.Event().wait(pause)  # a plain timed wait; nothing can end it early
             backoff = min(backoff * 2, 5.0)
 

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from psworker.api import connect
 from psworker.client import ClientOptions
 from psworker.config import WorkerConfig
 from psworker.tasks import Task, evaluate, load_task
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["DataSlice", "resolve_device", "train"]
 
@@ -116,8 +120,10 @@ def _steps(config: WorkerConfig, task: Task, data: DataSlice, batch_size: int) -
     return max(1, task.defaults.steps // config.num_workers)
 
 
-def train(config: WorkerConfig) -> dict:
+def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None) -> dict:
     """Run the configured training and return the result record (the worker's JSON line).
+    With ``registry``, the ``psworker_*`` metrics (``psworker.metrics``) are registered there
+    and kept up to date.
 
     Raises ``ValueError`` for bad settings and ``pswire.errors.PSError`` when the shards refuse
     or cannot be reached.
@@ -125,6 +131,13 @@ def train(config: WorkerConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
+    metrics = None
+    if registry is not None:
+        from psworker.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics(registry, worker=config.name, task=config.task,
+                                mode="local" if config.local else config.mode, device=str(device),
+                                overlap=config.overlap)
     task = load_task(config.task, seed=config.seed)
     defaults = task.defaults
     batch_size = config.batch_size or defaults.batch_size
@@ -143,6 +156,8 @@ def train(config: WorkerConfig) -> dict:
         options = ClientOptions(
             timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
             wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk, security=config.security,
+            on_retry=metrics.retried if metrics is not None else None,
+            on_exchange=metrics.exchanged if metrics is not None else None,
         )
         session = connect(config.ps, worker_name=config.name, job=f"task={config.task}", options=options,
                           overlap=config.overlap)
@@ -175,6 +190,8 @@ def train(config: WorkerConfig) -> dict:
     losses: list[float] = []
     evals: list[dict] = []
     samples = 0
+    if metrics is not None:
+        metrics.take_exchange()  # the initial pull (and a sync job's wait for its workers) is no step's
     started = time.monotonic()
     try:
         model.train()
@@ -187,13 +204,18 @@ def train(config: WorkerConfig) -> dict:
             loss = task.loss_fn(model(x), y)
             optimizer.zero_grad()
             loss.backward()
+            exchange_started = time.monotonic()
             optimizer.step()
+            exchange_seconds = time.monotonic() - exchange_started
             if config.slowdown > 1.0:
                 # A simulated straggler: stretch this step to slowdown times its real length.
                 time.sleep((config.slowdown - 1.0) * (time.monotonic() - step_started))
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise FloatingPointError(f"loss became {value} at step {step}: lower --lr")
+            if metrics is not None:
+                metrics.step(seconds=time.monotonic() - step_started, exchange_seconds=exchange_seconds,
+                             samples=len(idx), loss=value, rejoins=session.rejoins if session is not None else 0)
             recent.append(value)
             if config.record_losses:
                 losses.append(value)
@@ -201,6 +223,8 @@ def train(config: WorkerConfig) -> dict:
             progress.update(step, value, samples)
             if config.eval_every and step % config.eval_every == 0 and step < total:
                 evals.append({"step": step, "seconds": round(time.monotonic() - started, 3), **evaluate(model, task)})
+                if metrics is not None:
+                    metrics.evaluated(evals[-1])
         if session is not None:
             try:
                 session.synchronize()  # the last step's exchange (overlap) counts in the time
@@ -209,7 +233,9 @@ def train(config: WorkerConfig) -> dict:
         seconds = time.monotonic() - started
         if session is not None:
             session.pull(wait=False)  # the newest weights, including other workers' pushes
-        metrics = evaluate(model, task)
+        final = evaluate(model, task)
+        if metrics is not None:
+            metrics.evaluated(final)
     finally:
         progress.close()
         if session is not None:
@@ -229,9 +255,9 @@ def train(config: WorkerConfig) -> dict:
         # None when a restarted worker found all its steps done already.
         "final_loss": sum(recent) / len(recent) if recent else None,
         "rejoins": session.rejoins if session is not None else 0,
-        **metrics,
+        **final,
         **({"losses": losses} if config.record_losses else {}),
-        **({"evals": evals + [{"step": total, "seconds": round(seconds, 3), **metrics}]} if config.eval_every else {}),
+        **({"evals": evals + [{"step": total, "seconds": round(seconds, 3), **final}]} if config.eval_every else {}),
     }
 
 

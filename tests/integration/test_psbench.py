@@ -13,7 +13,7 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics")
 
 
 def _numbers(value, path: str):
@@ -68,8 +68,14 @@ def test_quick_run_reports_every_section(tmp_path):
     assert tls["goodput"]["plain"]["transport"] == tls["goodput"]["tls"]["transport"] == "lanes"
     assert len(tls["training"]["plain_reps"]) == len(tls["training"]["tls_reps"]) == 1
 
+    # The same training with every process's metrics on and scraped, and with none.
+    metrics = doc["metrics"]["training"]
+    assert [m["parameters"] for m in metrics] == [15_210] and len(metrics[0]["on_reps"]) == 1
+    assert metrics[0]["scrapes"]["shard"] >= 2 and metrics[0]["scrapes"]["worker"] >= 2
+    assert not metrics[0]["failures"]
+
     checks = {c["id"]: c for c in doc["checks"]}
-    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6"}
+    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7"}
     assert all(isinstance(c["passed"], bool) for c in checks.values()), checks
 
     env = doc["environment"]
@@ -77,7 +83,7 @@ def test_quick_run_reports_every_section(tmp_path):
         assert env[key], key
 
     for heading in ("Baselines", "PS goodput", "Small operations", "Training", "Shard memory", "The cost of TLS",
-                    "Checks"):
+                    "The cost of metrics", "Checks"):
         assert heading in proc.stdout, f"table lacks {heading!r}:\n{proc.stdout}"
 
 
