@@ -26,6 +26,17 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
+def terminate(popen: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM ``popen`` and wait for it; SIGKILL it if it has not exited within ``timeout``."""
+    if popen.poll() is None:
+        popen.terminate()
+        try:
+            popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout=timeout)
+
+
 @dataclass
 class ShardProcess:
     popen: subprocess.Popen
@@ -40,13 +51,7 @@ class ShardProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=15)
+        terminate(self.popen)
 
 
 def start_shard(directory: Path, name: str, *extra: str, timeout: float = 60.0) -> ShardProcess:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import terminate
+
 INSTALL_HINT = "apt-get install -y --no-install-recommends prometheus (Debian's package, 2.42, has promtool too)"
 
 
@@ -151,13 +153,7 @@ class Prometheus:
         return self.api("alerts")["alerts"]
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=15)
+        terminate(self.popen)
 
     def __enter__(self) -> Prometheus:
         return self

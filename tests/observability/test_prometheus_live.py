@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, child_env, run_cli, start_shard
+from tests.conftest import ROOT, child_env, run_cli, start_shard, terminate
 from tests.observability.prom import Prometheus, PrometheusError, config, file_sd_job_config, tool, wait_for
 from tests.observability.promql import (
     ALERTS, contract_metrics, dashboard_queries, load_dashboard, metric_names, operands, substitute, variable_queries,
@@ -102,13 +102,7 @@ class Worker:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=15)
+        terminate(self.popen)
 
 
 def metrics_address(log, popen: subprocess.Popen, what: str, timeout: float = 60.0) -> str:

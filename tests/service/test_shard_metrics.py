@@ -27,17 +27,17 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from psserver.config import ServerConfig
-from psserver.server import Shard, create_server
+from psserver.server import create_server
 from pswire.codec import Part
 from pswire.consistency import Consistency, Mode
 from pswire.dtypes import FLOAT32
 from pswire.placement import VariableSpec
-from pswire.v1 import ps_pb2, ps_pb2_grpc
+from pswire.v1 import ps_pb2
 from pswire.wire import consistency_to_proto
 from psworker.client import ClientOptions, PSClient
 from tests.service.test_shard_service import (
-    GRADS, MODEL_BYTES, PART, RPC_TIMEOUT, SGD, Worker, chunks, expect_rpc_error, initialize, register,
-    status,
+    GRADS, MODEL_BYTES, PART, RPC_TIMEOUT, SGD, Worker, chunks, expect_rpc_error, initialize, open_stub,  # noqa: F401
+    register, started_shards, status,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,31 +140,9 @@ def promtool_check(text: str) -> None:
 
 @pytest.fixture
 def make_shard():
-    started: list[Shard] = []
-
-    def make(**config) -> Shard:
-        failpoint = config.pop("failpoint", None)
-        shard = create_server(ServerConfig(port=0, metrics_port=0, **config), failpoint=failpoint)
-        started.append(shard)
-        return shard
-
-    yield make
-    for shard in started:
-        shard.stop(grace=0)
-
-
-@pytest.fixture
-def open_stub():
-    channels = []
-
-    def open_(address: str) -> ps_pb2_grpc.ParameterServerStub:
-        channel = grpc.insecure_channel(address)
-        channels.append(channel)
-        return ps_pb2_grpc.ParameterServerStub(channel)
-
-    yield open_
-    for channel in channels:
-        channel.close()
+    """In-process shards on port 0, each serving metrics on a port of its own."""
+    with started_shards(metrics_port=0) as make:
+        yield make
 
 
 # -- tests -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ expected results are compared with ``==``, never with a tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -187,19 +188,29 @@ def expect_rpc_error(call: Callable[[], object], code: grpc.StatusCode, *needles
 # -- fixtures --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def make_shard():
-    """A factory of in-process shards on port 0; every one is stopped after the test."""
+@contextlib.contextmanager
+def started_shards(**defaults):
+    """A factory of in-process shards on port 0 (``defaults`` are config fields every one gets);
+    every one is stopped on exit."""
     started = []
 
-    def make(*, store: ShardStore | None = None, **config) -> Shard:
-        shard = create_server(ServerConfig(port=0, **config), store=store)
+    def make(*, store: ShardStore | None = None, failpoint=None, **config) -> Shard:
+        shard = create_server(ServerConfig(port=0, **{**defaults, **config}), store=store, failpoint=failpoint)
         started.append(shard)
         return shard
 
-    yield make
-    for shard in started:
-        shard.stop(grace=0)
+    try:
+        yield make
+    finally:
+        for shard in started:
+            shard.stop(grace=0)
+
+
+@pytest.fixture
+def make_shard():
+    """A factory of in-process shards on port 0; every one is stopped after the test."""
+    with started_shards() as make:
+        yield make
 
 
 @pytest.fixture
