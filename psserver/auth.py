@@ -16,7 +16,7 @@ Token file format (``--auth-token-file``)::
     ROLE TOKEN        one per line; ROLE is worker, reader or admin
 
 ``reader`` may call Status, Pull and PullInline (read the model); ``worker`` also Register,
-Initialize, Push, PushInline, PushPull, Heartbeat and Leave; ``admin`` may call everything,
+Initialize, Push, PushInline, PushPull, Heartbeat, Leave and Data (the data queue); ``admin`` may call everything,
 Checkpoint and any administrative call to come included. Tokens are at least 16 printable
 ASCII characters; a malformed line is refused with its number, never its token.
 """
@@ -63,7 +63,8 @@ class Role(enum.IntEnum):
 
 
 _READER_METHODS = frozenset({"Status", "Pull", "PullInline"})
-_WORKER_METHODS = frozenset({"Register", "Initialize", "Push", "PushInline", "PushPull", "Heartbeat", "Leave"})
+_WORKER_METHODS = frozenset({"Register", "Initialize", "Push", "PushInline", "PushPull", "Heartbeat", "Leave",
+                             "Data"})
 
 
 def _split(method: str) -> tuple[str, str]:

@@ -11,13 +11,9 @@ from pswire.codec import Part, dtype_name
 from pswire.errors import InvalidArgumentError, PreconditionError
 from pswire.optim import OptimizerConfig
 from pswire.consistency import Consistency
+from pswire.wire import MAX_COUNT, check_count
 
 __all__ = ["MAX_COUNT", "Registration", "check_count", "check_finite", "check_parts", "check_same_job", "fmt_bytes"]
-
-MAX_COUNT = 1 << 53
-"""The largest clock, step, sequence, version or position a shard accepts: far beyond any job
-(a step per nanosecond for a century), and small enough that nothing derived from it (a clock
-plus one, a sum of counts) leaves protobuf's int64 or a float's exact integers."""
 
 MAX_DIMENSION = 1 << 40
 """The largest dimension of a variable's shape."""
@@ -35,12 +31,6 @@ class Registration:
     optimizer: OptimizerConfig
     job_fingerprint: str = ""
     consistency: Consistency = Consistency()
-
-
-def check_count(what: str, value: int) -> None:
-    """Raises ``InvalidArgumentError`` unless ``0 <= value <= MAX_COUNT``."""
-    if not 0 <= value <= MAX_COUNT:
-        raise InvalidArgumentError(f"{what} {value} is out of range (0..{MAX_COUNT})")
 
 
 def check_parts(parts: Sequence[Part], max_bytes: int = 1 << 62) -> None:

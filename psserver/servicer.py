@@ -15,11 +15,15 @@ from pswire import errors, frames
 from pswire.codec import ChunkAssembler, Part, array_bytes, on_wire, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psserver.buffers import BufferPool, trim_heap
+from pswire.data import DataTask
 from psserver.guard import CallGuard, IdleStreams, Undecodable, tolerant
 from psserver.inflight import InflightBudget, Transfer
 from psserver.lanes import LaneServer
 from psserver.store import PullSnapshot, Registration, ShardStore
-from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_from_proto, optimizer_to_proto
+from pswire.wire import (
+    consistency_from_proto, consistency_to_proto, data_plan_from_proto, data_plan_to_proto, data_status_to_proto,
+    optimizer_from_proto, optimizer_to_proto,
+)
 
 __all__ = ["INLINE_LIMIT", "ParameterServerServicer", "STATUS_CODES", "Traffic", "add_to_server"]
 
@@ -427,6 +431,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         return ps_pb2.LeaveResponse()
 
+    def Data(self, request: ps_pb2.DataRequest, context: grpc.ServicerContext) -> ps_pb2.DataResponse:
+        try:
+            plan = data_plan_from_proto(request.plan) if request.HasField("plan") else None
+            finished = [(DataTask(t.epoch, t.start, t.end), t.trained) for t in request.finished]
+            tasks, job_plan, queue = self._store.data(
+                request.worker_id, request.generation, plan=plan, finished=finished, want=request.want,
+                session=request.session,
+            )
+        except (errors.PSError, ValueError) as exc:
+            _abort(context, exc)
+        return ps_pb2.DataResponse(
+            tasks=[ps_pb2.DataTask(epoch=t.epoch, start=t.start, end=t.end) for t in tasks],
+            plan=data_plan_to_proto(job_plan), queue=data_status_to_proto(queue),
+        )
+
     def _snapshot(
         self, request: ps_pb2.PullRequest, context: grpc.ServicerContext
     ) -> tuple[ps_pb2.PullHeader, PullSnapshot]:
@@ -537,4 +556,5 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             push_bytes_in_flight_peak=self._budget.peak,
             max_inflight_bytes=self._budget.limit,
             updates_nonfinite=s["updates_nonfinite"],
+            data=data_status_to_proto(s["data"]) if s["data"] else None,
         )

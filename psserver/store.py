@@ -29,6 +29,8 @@ from psserver import consistency as cons
 from psserver import snapshot
 from psserver.leases import expired
 from psserver.consistency import Mode, PushAction
+from psserver.dataqueue import DataQueue
+from pswire.data import DataPlan, DataTask
 from psserver.job import (
     Registration, check_count, check_finite, check_parts, check_same_job, fmt_bytes,
 )
@@ -78,6 +80,8 @@ class Reading:
     pull_wait_seconds: float
     pull_waits: dict[str, int]
     """Pulls that waited on the bound, by the worker waited for: every worker in the table."""
+    data: dict | None = None
+    """The data queue's status (``DataQueue.status``), None without dynamic data."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,7 @@ class ShardStore:
         self._cut_every = 0
         self._last_cut = 0
         self._cuts: deque[tuple[int, tuple[int, dict[str, np.ndarray], dict]]] = deque()
+        self._data: DataQueue | None = None  # dynamic data: the job's queue (shard 0 only)
 
     # -- membership -------------------------------------------------------------------------
 
@@ -227,6 +232,8 @@ class ShardStore:
                 self._workers[reg.worker_name] = self._by_id[worker.worker_id] = worker
             else:
                 worker.generation += 1
+                if self._data is not None:  # what the old registration held goes back
+                    self._release_data(worker, "registered again")
                 worker.applied.clear()  # sequences restart with each generation
                 worker.max_sequence = 0
                 worker.clock, worker.live, worker.evicted, worker.fenced = start, True, False, ""
@@ -297,6 +304,7 @@ class ShardStore:
             worker = self._check_worker(worker_id, generation, session)
             worker.live = False
             log.info("%s left the job at clock %d", worker.name, worker.clock)
+            self._release_data(worker, "left")
             self._membership_changed()
 
     def heartbeat(self, worker_id: int, generation: int, *, session: bytes | None = None) -> float:
@@ -317,6 +325,7 @@ class ShardStore:
                 worker = self._workers[name]
                 worker.live, worker.evicted = False, True
                 self._counters.workers_evicted += 1
+                self._release_data(worker, "was evicted")
                 log.warning(
                     "evicted %s (generation %d, clock %d): no heartbeat for %.1fs, lease %.1fs",
                     name, worker.generation, worker.clock, now - worker.heard_at, self._lease_timeout,
@@ -825,6 +834,7 @@ class ShardStore:
                 "max_staleness": self._counters.max_staleness,
                 "staleness_histogram": list(self._counters.staleness_counts),
                 "uptime_seconds": now - self._started,
+                "data": self._data.status() if self._data is not None else None,
             }
 
     def reading(self) -> Reading:
@@ -861,7 +871,77 @@ class ShardStore:
                 # Every known worker from the start (0 until a pull waits for it), so that a rate
                 # sees the first wait.
                 pull_waits={**dict.fromkeys(self._workers, 0), **c.pull_waits},
+                data=self._data.status() if self._data is not None else None,
             )
+
+    # -- dynamic data ------------------------------------------------------------------------
+
+    def data(
+        self,
+        worker_id: int,
+        generation: int,
+        *,
+        plan: DataPlan | None,
+        finished: Sequence[tuple[DataTask, int]] = (),
+        want: int = 0,
+        session: bytes | None = None,
+    ) -> tuple[list[DataTask], DataPlan, dict]:
+        """One exchange with the job's data queue: the worker stops holding each ``(task,
+        trained)`` of ``finished`` (the rest of a task it did not fully train goes back), then
+        leases up to ``want`` tasks. The first call of the job sets ``plan``; later ones must
+        give the same plan or none. Returns ``(every task this registration holds now, the
+        job's plan, queue status)``: a worker whose reply was lost learns its tasks from the next.
+
+        A worker that left the job may still ask (``want`` 0, nothing finished): a worker waiting
+        for data in an ssp/sync job leaves the membership meanwhile, so that nobody waits on it.
+        Raises ``NotReadyError`` before initialisation, ``PreconditionError`` on a shard other
+        than 0, without a plan, for a plan that differs from the job's, or for a task not leased
+        to this registration, ``InvalidArgumentError`` for impossible counts, and as any call of
+        a registration (fenced, evicted, no session)."""
+        with self._lock:
+            if self._state is not ShardState.READY or self._job is None:
+                raise NotReadyError("this shard is not initialised yet")
+            if self._job.shard_index != 0:
+                raise PreconditionError(
+                    f"the job's data queue lives on shard 0; this is shard {self._job.shard_index}"
+                )
+            worker = self._by_id.get(worker_id)
+            waiting = (worker is not None and worker.generation == generation and not worker.live
+                       and not worker.evicted and not worker.fenced and not want and not finished)
+            if not waiting or session is not None and not hmac.compare_digest(session, worker.secret):
+                worker = self._check_worker(worker_id, generation, session)
+            queue = self._data
+            if queue is None:
+                if plan is None:
+                    raise PreconditionError("this job has no data plan yet: the first worker's request sets it")
+                queue = DataQueue(plan)
+                log.info("dynamic data: %s, set by %s", plan.describe(), worker.name)
+            elif plan is not None and plan != queue.plan:
+                raise PreconditionError(
+                    f"the job's data plan is {queue.plan.describe()}; {worker.name} asks for {plan.describe()} "
+                    "(every worker of the job must use the same dataset, task size, seed and length)"
+                )
+            keys = [(t.epoch, t.start) for t, _ in finished]
+            if len(set(keys)) != len(keys):
+                raise InvalidArgumentError("a data task is reported finished twice in one request")
+            for task, trained in finished:  # every report checked before any is applied
+                queue.check_finish(worker.name, generation, task, trained)
+            for task, trained in finished:
+                queue.finish(worker.name, generation, task, trained)
+            queue.lease(worker.name, generation, want)
+            self._data = queue
+            if queue.finished and finished:
+                log.info("dynamic data: every task of the job is done (%d examples)", queue.examples_done)
+            return queue.held_by(worker.name, generation), queue.plan, queue.status()
+
+    def _release_data(self, worker: Worker, why: str) -> None:
+        # Caller holds _lock. A registration that ended gives its data tasks back.
+        if self._data is None:
+            return
+        tasks = self._data.release(worker.name, below=worker.generation if why == "registered again" else None)
+        if tasks:
+            log.info("%s %s: %d data task(s) back in the queue (%s)", worker.name, why, len(tasks),
+                     ", ".join(map(str, tasks)))
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -879,6 +959,8 @@ class ShardStore:
         position = snapshot.Position(self._version, self._current_clock(), self._clock_floor, self._open_clock,
                                      self._next_worker_id)
         tensors, metadata = snapshot.encode(self._job, self._slots, self._sync, self._workers, self._counters, position)
+        if self._data is not None:
+            metadata["data"] = self._data.encode()
         return self._version, tensors, metadata
 
     def restore(self, tensors: dict[str, np.ndarray], metadata: dict, *, source: str) -> None:
@@ -889,6 +971,7 @@ class ShardStore:
         ``PreconditionError`` if the shard already holds a job, ``ValueError`` naming what is
         wrong with the checkpoint (and then nothing has changed)."""
         decoded = snapshot.decode(tensors, metadata, now=self._now(), source=source)
+        queue = DataQueue.decode(metadata["data"]) if "data" in metadata else None
         position = decoded.position
         with self._lock:
             if self._job is not None:
@@ -903,6 +986,7 @@ class ShardStore:
             self._by_id = {w.worker_id: w for w in decoded.workers.values()}
             self._next_worker_id = position.next_worker_id
             self._counters.restore(decoded.counters)
+            self._data = queue
             self._state = ShardState.READY
             every = self._cut_every
             self._last_cut = max(self._last_cut, self._clock_floor - self._clock_floor % every if every else 0)

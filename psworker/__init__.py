@@ -5,6 +5,9 @@
     model, optimizer = session.prepare(model, optimizer)
     # the loop is unchanged: optimizer.step() pushes gradients and pulls the new weights
 
+Identical workers that share the job's data without indices draw it through
+``psworker.ElasticSampler(session, len(dataset), seed=0)`` (``psworker.elastic``).
+
 Errors raised are ``pswire.errors`` types (re-exported here): ``PreconditionError`` when the
 model or settings disagree with the job, ``InvalidArgumentError`` for bad input,
 ``UnavailableError`` / ``DeadlineError`` when shards cannot be reached in time,
@@ -31,14 +34,17 @@ from pswire.optim import OptimizerConfig
 from pswire.security import ClientSecurity
 from psworker.api import DistributedOptimizer, Session, connect
 from psworker.client import ClientOptions, PSClient
+from psworker.elastic import DataFeed, ElasticSampler
 from psworker.tasks import Task, TaskDefaults, evaluate, load_task
 
 __all__ = [
     "ClientOptions",
     "ClientSecurity",
     "Consistency",
+    "DataFeed",
     "DeadlineError",
     "DistributedOptimizer",
+    "ElasticSampler",
     "FencedError",
     "InvalidArgumentError",
     "NotReadyError",

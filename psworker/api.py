@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import torch
@@ -93,6 +93,14 @@ class Session:
         self._grads: dict[str, torch.Tensor] = {}
         self.rejoins = 0
         """How many times this worker re-registered after being fenced off."""
+        self.steps = 0
+        """Optimizer steps this worker completed (every push acknowledged, but with overlap the
+        last one's, which lands with the next step)."""
+        self.left = False
+        """True while this worker has left the job's membership without closing (a dynamic-data
+        worker waiting for a task in an ssp/sync job); :meth:`rejoin` ends it."""
+        self._step_hooks: list[Callable[[], None]] = []
+        self._close_hooks: list[Callable[[], None]] = []
         self.progress: dict[str, int] | None = None
         """Set by a training loop before ``step()``: its data position, kept by the shards (and
         in checkpoints) so that a restarted worker resumes where it was."""
@@ -156,6 +164,7 @@ class Session:
         current weights. Raises like :meth:`prepare`."""
         started = time.monotonic()
         self._register()
+        self.left = False
         self.pull()
         self.rejoins += 1
         log.warning("%s re-registered and pulled in %.2fs", self.worker_name, time.monotonic() - started)
@@ -201,6 +210,27 @@ class Session:
             self.client.push_pull, grads, self._staging, data=progress, base_versions=computed_on,
         )
 
+    def leave(self) -> None:
+        """Leave the job's membership but stay connected (ssp/sync peers stop waiting for this
+        worker); :meth:`rejoin` joins again."""
+        self.synchronize()
+        self.client.leave()
+        self.left = True
+
+    def add_step_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` after every optimizer step that completed (``psworker.elastic``)."""
+        self._step_hooks.append(hook)
+
+    def add_close_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` first thing in :meth:`close`, before the worker leaves."""
+        self._close_hooks.append(hook)
+
+    def stepped(self) -> None:
+        """Count a completed step and tell the step hooks (``DistributedOptimizer.step`` calls it)."""
+        self.steps += 1
+        for hook in self._step_hooks:
+            hook()
+
     def synchronize(self) -> None:
         """Wait for the step running in the background (overlap), raise its error if it failed,
         and load the weights it pulled; nothing without overlap or when none is running."""
@@ -237,7 +267,9 @@ class Session:
                 self.synchronize()
             except errors.PSError as exc:
                 log.warning("%s: the last step's exchange failed: %s", self.worker_name, exc)
-            if self._params:
+            for hook in self._close_hooks:
+                hook()
+            if self._params and not self.left:
                 self.client.leave()
         finally:
             if self._exchanger is not None:
@@ -277,6 +309,7 @@ class DistributedOptimizer:
             if self.session.client.fenced.is_set():
                 raise errors.FencedError("a heartbeat was refused: this worker was evicted")
             self.session.push_pull()
+            self.session.stepped()
         except errors.FencedError as exc:
             # The shards fenced this worker off (it was evicted, e.g. after a partition, or a
             # shard restored from a checkpoint): a gradient computed for a registration that no

@@ -415,6 +415,23 @@ class PSClient:
 
         self._fan_out(one, sessions)
 
+    def data(
+        self, plan: ps_pb2.DataPlan | None, finished: Sequence[ps_pb2.DataTask] = (), want: int = 0
+    ) -> tuple[int, ps_pb2.DataResponse]:
+        """One exchange with the job's data queue on shard 0 (``psworker.elastic``): report
+        ``finished`` tasks, lease up to ``want`` more. Returns the generation of the registration
+        it was made under, and the reply."""
+        session = self._require_sessions()[0]
+        request = ps_pb2.DataRequest(
+            worker_id=session.worker_id, generation=session.generation, session=session.secret, plan=plan,
+            finished=finished, want=want,
+        )
+        return session.generation, session.client.data(request)
+
+    def generation(self) -> int:
+        """This worker's generation on shard 0 (it changes when the worker registers again)."""
+        return self._require_sessions()[0].generation
+
     def status(self) -> list[ps_pb2.StatusResponse]:
         return self._fan_out(lambda c: c.status(), self._clients)
 

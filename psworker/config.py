@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 
@@ -35,8 +36,11 @@ class WorkerConfig:
     stale_policy: str = _f("drop", "SSP: a push staler than S is dropped, or scaled by lr / staleness.",
                            choices=("drop", "scale"))
     slowdown: float = _f(1.0, "Make this worker this many times slower (a straggler, for tests and demos).")
-    steps: int | None = _f(None, "Optimizer steps of this worker (default: the task's job steps / num-workers).")
-    epochs: float | None = _f(None, "Train for this many passes over this worker's data slice instead of --steps.")
+    steps: int | None = _f(None, "Length in optimizer steps. With dynamic data (no --worker-index): the job's, across "
+                           "all its workers (default: the task's). With --worker-index: this worker's (default: "
+                           "the task's job steps / --num-workers).")
+    epochs: float | None = _f(None, "Length in passes over the data instead of --steps: the job's with dynamic data, "
+                              "this worker's slice with --worker-index.")
     batch_size: int | None = _f(None, "Examples per step (default: the task's).")
     optimizer: str | None = _f(None, "sgd, adam or adagrad (default: the task's).", choices=OPTIMIZERS)
     lr: float | None = _f(None, "Learning rate (default: the task's).")
@@ -53,9 +57,15 @@ class WorkerConfig:
     seed: int = _f(0, "Seed of the model's initial weights and of the data order.")
     device: str = _f("auto", "cpu, cuda, cuda:N or auto (CUDA when available).")
     threads: int = _f(0, "Threads torch may use for compute; 0 keeps torch's default (pscluster sets 1 per worker).")
-    worker_index: int = _f(0, "This worker's index, 0..num-workers-1: picks its slice of the data.")
-    num_workers: int = _f(1, "Number of workers sharing the data.")
-    worker_name: str | None = _f(None, "Stable name of this worker (default: worker-<index>).")
+    worker_index: int | None = _f(None, "Static split: this worker's index, 0..num-workers-1, picks a fixed slice of "
+                                  "the data. Without it the data is dynamic: shard 0 leases data tasks to whichever "
+                                  "workers ask, so identical workers can join and leave at any time.")
+    num_workers: int | None = _f(None, "Static split: the number of workers sharing the data (with --worker-index; "
+                                 "default 1).")
+    data_task_size: int | None = _f(None, "Dynamic data: examples per data task, the unit a worker leases, trains and "
+                                    "reports (default: about 256, in whole batches). Every worker must use the same.")
+    worker_name: str | None = _f(None, "Stable name of this worker (default: worker-<index>, or <host>-<pid> with "
+                                 "dynamic data). Names must be unique among live workers.")
     progress: str = _f("auto", "auto (a bar on a terminal, else log lines), bar, log or none.",
                        choices=("auto", "bar", "log", "none"))
     log_every: float = _f(5.0, "Seconds between progress log lines.")
@@ -105,11 +115,15 @@ class WorkerConfig:
             raise ValueError("give --steps or --epochs, not both")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
+        if self.worker_index is None and self.num_workers is not None and not self.local:
+            raise ValueError("--num-workers needs --worker-index (a static split); leave both out for dynamic data")
+        count = self.num_workers or 1
+        if count < 1 or not 0 <= (self.worker_index or 0) < count:
             raise ValueError(
-                f"--worker-index must be in 0..{self.num_workers - 1} (got {self.worker_index} "
-                f"with --num-workers {self.num_workers})"
+                f"--worker-index must be in 0..{count - 1} (got {self.worker_index} with --num-workers {count})"
             )
+        if self.data_task_size is not None and (self.data_task_size < 1 or not self.dynamic):
+            raise ValueError("--data-task-size must be >= 1, and is for dynamic data (no --worker-index, not --local)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.slowdown < 1.0:
@@ -141,8 +155,27 @@ class WorkerConfig:
         )
 
     @property
+    def dynamic(self) -> bool:
+        """Dynamic data: the job's queue on shard 0 hands this worker its data (no --worker-index)."""
+        return not self.local and self.worker_index is None
+
+    @property
+    def index(self) -> int:
+        """The static split's index (0 with dynamic data or --local)."""
+        return self.worker_index or 0
+
+    @property
+    def count(self) -> int:
+        """The static split's worker count (1 with dynamic data or --local)."""
+        return self.num_workers or 1
+
+    @property
     def name(self) -> str:
-        return self.worker_name or f"worker-{self.worker_index}"
+        if self.worker_name:
+            return self.worker_name
+        if self.dynamic:
+            return f"{socket.gethostname()}-{os.getpid()}"
+        return f"worker-{self.index}"
 
     def optimizer_config(self, *, default_name: str, default_lr: float, default_momentum: float = 0.0) -> OptimizerConfig:
         """The job's optimizer from flags, falling back to the task's defaults. Raises

@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from pswire.errors import PSError
@@ -23,8 +24,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=config.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s psworker[%(process)d] %(message)s",
     )
-    # SIGTERM ends the run like Ctrl-C: the finally blocks close the channels.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM ends the run like Ctrl-C: the finally blocks close the channels. With dynamic data
+    # the first one stops at the end of the step in hand instead: the worker reports what it
+    # trained, hands back the rest of its data and exits 0 (a second signal interrupts at once).
+    stop = threading.Event() if config.dynamic else None
+    signal.signal(signal.SIGTERM, _stopper(stop, config.name))
+    if stop is not None:
+        signal.signal(signal.SIGINT, _stopper(stop, config.name))
     server = None
     try:
         if config.metrics_port is not None:
@@ -39,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not _loopback(config.metrics_host):
                 log.warning("metrics on %s are served without TLS or tokens: anyone who reaches that port reads "
                             "them", server.url)
-        result = train(config, registry=server.registry if server is not None else None)
+        result = train(config, registry=server.registry if server is not None else None, stop=stop)
     except KeyboardInterrupt:
         log.error("%s: interrupted", config.name)
         return 130
@@ -51,6 +57,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.close()
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _stopper(stop: threading.Event | None, name: str):
+    def handle(signum, frame) -> None:
+        if stop is None or stop.is_set():
+            raise KeyboardInterrupt
+        log.info("%s: %s: stopping after this step, handing back the rest of its data (again to interrupt now)",
+                 name, signal.Signals(signum).name)
+        stop.set()
+
+    return handle
 
 
 def _loopback(host: str) -> bool:

@@ -371,6 +371,11 @@ class ShardClient:
         # No wait_for_ready: a heartbeat to an unreachable shard fails fast and the next one retries.
         return self._call(self._stub.Heartbeat, request, timeout=timeout, wait_for_ready=False)
 
+    def data(self, request: ps_pb2.DataRequest) -> ps_pb2.DataResponse:
+        """Retried while the shard is unreachable or overloaded: a repeat is harmless, as every
+        reply names all the tasks the worker holds (``psworker.elastic``)."""
+        return _retrying(lambda: self._call(self._stub.Data, request), self.options, self.address, "data")
+
     def checkpoint(self, request: ps_pb2.CheckpointRequest) -> ps_pb2.CheckpointResponse:
         """Retried only while the shard turns it away as overloaded (it then never started)."""
         return _retrying(lambda: self._call(self._stub.Checkpoint, request), self.options, self.address,

@@ -19,6 +19,8 @@ from pswire.codec import WIRE_DTYPES
 from psworker.api import connect
 from psworker.client import ClientOptions
 from psworker.config import WorkerConfig
+from psworker.elastic import DataFeed, Lease, default_task_size, epoch_order
+from pswire.data import DataPlan
 from psworker.tasks import Task, evaluate, load_task
 
 if TYPE_CHECKING:
@@ -60,8 +62,7 @@ class DataSlice:
         self._order = self._permutation()
 
     def _permutation(self) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.size, generator=gen)[self.index :: self.count]
+        return epoch_order(self.size, self.seed, self.epoch)[self.index :: self.count]
 
     def __len__(self) -> int:
         return len(self._order)
@@ -83,9 +84,10 @@ class DataSlice:
 
 
 class _Progress:
-    """A bar on a terminal, else a log line every ``every`` seconds."""
+    """A bar on a terminal, else a log line every ``every`` seconds (``total`` None: unknown,
+    as for a dynamic-data worker, whose share of the job depends on the others)."""
 
-    def __init__(self, mode: str, total: int, every: float, name: str) -> None:
+    def __init__(self, mode: str, total: int | None, every: float, name: str) -> None:
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "log"
         self.mode, self.total, self.every, self.name = mode, total, every, name
@@ -105,7 +107,8 @@ class _Progress:
                 self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
         elif self.mode == "log" and (now - self.last >= self.every or step == self.total):
             self.last = now
-            log.info("%s step %d/%d loss %.4f samples/s %.0f", self.name, step, self.total, loss, rate)
+            of = f"/{self.total}" if self.total else ""
+            log.info("%s step %d%s loss %.4f samples/s %.0f", self.name, step, of, loss, rate)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -117,10 +120,23 @@ def _steps(config: WorkerConfig, task: Task, data: DataSlice, batch_size: int) -
         return config.steps
     if config.epochs is not None:
         return max(1, math.ceil(config.epochs * math.ceil(len(data) / batch_size)))
-    return max(1, task.defaults.steps // config.num_workers)
+    return max(1, task.defaults.steps // config.count)
 
 
-def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None) -> dict:
+def data_plan(config: WorkerConfig, task: Task, batch_size: int) -> DataPlan:
+    """The job's dynamic-data plan from the flags: ``--epochs`` passes over the data, or
+    ``--steps`` batches (default: the task's job steps), in tasks of ``--data-task-size``."""
+    size = len(task.train[0])
+    if config.epochs is not None:
+        total = max(1, round(config.epochs * size))
+    else:
+        total = (config.steps or task.defaults.steps) * batch_size
+    return DataPlan(examples=size, task_size=config.data_task_size or default_task_size(batch_size),
+                    seed=config.seed, total=total)
+
+
+def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
+          stop: threading.Event | None = None) -> dict:
     """Run the configured training and return the result record (the worker's JSON line).
     With ``registry``, the ``psworker_*`` metrics (``psworker.metrics``) are registered there
     and kept up to date.
@@ -146,8 +162,9 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None) ->
     )
     model = task.model.to(device)
     x_train, y_train = task.train
-    data = DataSlice(len(x_train), config.worker_index, config.num_workers, config.seed)
-    total = _steps(config, task, data, batch_size)
+    data = DataSlice(len(x_train), config.index, config.count, config.seed)
+    plan = data_plan(config, task, batch_size) if config.dynamic else None
+    total = None if plan is not None else _steps(config, task, data, batch_size)
 
     session = None
     if config.local:
@@ -163,13 +180,15 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None) ->
                           overlap=config.overlap)
         model, optimizer = session.prepare(model, opt_config, consistency=config.consistency())
     log.info(
-        "%s: task %s on %s, %d steps of batch %d, %s lr %g, %s",
-        config.name, config.task, device, total, batch_size, opt_config.name, opt_config.lr,
+        "%s: task %s on %s, %s of batch %d, %s lr %g, %s",
+        config.name, config.task, device,
+        f"{total} steps" if plan is None else f"dynamic data ({plan.describe()})", batch_size, opt_config.name,
+        opt_config.lr,
         "local" if config.local else f"{len(session.client.addresses)} shard(s), {session.client.consistency.describe()}",
     )
 
     first_step = 1
-    if session is not None and session.client.resume_data.get("step", 0) > 0:
+    if plan is None and session is not None and session.client.resume_data.get("step", 0) > 0:
         # A restarted worker: carry on from the progress the shards recorded for it. (pscluster
         # --restart reads this line, and the one below, as the sign that the worker is back.)
         resume = session.client.resume_data
@@ -178,53 +197,65 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None) ->
         log.info("%s resumes at step %d of %d (epoch %d, position %d): the progress the shards recorded",
                  config.name, first_step, total, resume["epoch"], resume["position"])
     else:
-        if session is not None and config.mode == "sync" and config.num_workers > 1:
+        if session is not None and plan is None and config.mode == "sync" and config.count > 1:
             try:
-                _wait_for_workers(session, config.num_workers, config.wait_timeout, config.name)
+                _wait_for_workers(session, config.count, config.wait_timeout, config.name)
             except BaseException:
                 session.close()
                 raise
-        log.info("%s starts at step 1 of %d", config.name, total)
+        log.info("%s starts at step 1%s", config.name, f" of {total}" if total else "")
     progress = _Progress(config.progress, total, config.log_every, config.name)
     recent: deque[float] = deque(maxlen=20)
     losses: list[float] = []
     evals: list[dict] = []
     samples = 0
+    step = first_step - 1
     if metrics is not None:
         metrics.take_exchange()  # the initial pull (and a sync job's wait for its workers) is no step's
     started = time.monotonic()
+
+    def train_step(idx: torch.Tensor) -> None:
+        nonlocal samples, step
+        step += 1
+        step_started = time.monotonic()
+        x, y = x_train[idx].to(device, non_blocking=True), y_train[idx].to(device, non_blocking=True)
+        loss = task.loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        exchange_started = time.monotonic()
+        optimizer.step()
+        exchange_seconds = time.monotonic() - exchange_started
+        if config.slowdown > 1.0:
+            # A simulated straggler: stretch this step to slowdown times its real length.
+            time.sleep((config.slowdown - 1.0) * (time.monotonic() - step_started))
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(f"loss became {value} at step {step}: lower --lr")
+        if metrics is not None:
+            metrics.step(seconds=time.monotonic() - step_started, exchange_seconds=exchange_seconds,
+                         samples=len(idx), loss=value, rejoins=session.rejoins if session is not None else 0)
+        recent.append(value)
+        if config.record_losses:
+            losses.append(value)
+        samples += len(idx)
+        progress.update(step, value, samples)
+        if config.eval_every and step % config.eval_every == 0 and step != total:
+            evals.append({"step": step, "seconds": round(time.monotonic() - started, 3), **evaluate(model, task)})
+            if metrics is not None:
+                metrics.evaluated(evals[-1])
+
+    feed = DataFeed(session, plan) if plan is not None and session is not None else None
+    stopped = False
     try:
         model.train()
-        for step in range(first_step, total + 1):
-            step_started = time.monotonic()
-            idx = data.next_batch(batch_size)
-            if session is not None:
-                session.progress = {"step": step, "epoch": data.epoch, "position": data.position}
-            x, y = x_train[idx].to(device, non_blocking=True), y_train[idx].to(device, non_blocking=True)
-            loss = task.loss_fn(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            exchange_started = time.monotonic()
-            optimizer.step()
-            exchange_seconds = time.monotonic() - exchange_started
-            if config.slowdown > 1.0:
-                # A simulated straggler: stretch this step to slowdown times its real length.
-                time.sleep((config.slowdown - 1.0) * (time.monotonic() - step_started))
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                raise FloatingPointError(f"loss became {value} at step {step}: lower --lr")
-            if metrics is not None:
-                metrics.step(seconds=time.monotonic() - step_started, exchange_seconds=exchange_seconds,
-                             samples=len(idx), loss=value, rejoins=session.rejoins if session is not None else 0)
-            recent.append(value)
-            if config.record_losses:
-                losses.append(value)
-            samples += len(idx)
-            progress.update(step, value, samples)
-            if config.eval_every and step % config.eval_every == 0 and step < total:
-                evals.append({"step": step, "seconds": round(time.monotonic() - started, 3), **evaluate(model, task)})
-                if metrics is not None:
-                    metrics.evaluated(evals[-1])
+        if feed is None:
+            for step_number in range(first_step, total + 1):
+                idx = data.next_batch(batch_size)
+                if session is not None:
+                    session.progress = {"step": step_number, "epoch": data.epoch, "position": data.position}
+                train_step(idx)
+        else:
+            stopped = _train_tasks(feed, session, batch_size, train_step, stop, config.name)
         if session is not None:
             try:
                 session.synchronize()  # the last step's exchange (overlap) counts in the time
@@ -238,6 +269,8 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None) ->
             metrics.evaluated(final)
     finally:
         progress.close()
+        if feed is not None:
+            feed.close(current=feed.current)
         if session is not None:
             session.close()
     return {
@@ -247,7 +280,7 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None) ->
         "worker_index": config.worker_index,
         "num_workers": config.num_workers,
         "device": str(device),
-        "steps": total,
+        "steps": step if total is None else total,
         "first_step": first_step,
         "samples": samples,
         "seconds": round(seconds, 3),
@@ -256,9 +289,45 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None) ->
         "final_loss": sum(recent) / len(recent) if recent else None,
         "rejoins": session.rejoins if session is not None else 0,
         **final,
+        **({"data": {"mode": "dynamic", "tasks": feed.tasks, "examples": feed.examples,
+                     "wait_seconds": round(feed.wait_seconds, 3), "stopped": stopped,
+                     "job": plan.to_dict()}} if feed is not None else {}),
         **({"losses": losses} if config.record_losses else {}),
-        **({"evals": evals + [{"step": total, "seconds": round(seconds, 3), **final}]} if config.eval_every else {}),
+        **({"evals": evals + [{"step": step, "seconds": round(seconds, 3), **final}]} if config.eval_every else {}),
     }
+
+
+def _train_tasks(feed: DataFeed, session, batch_size: int, train_step, stop: threading.Event | None,
+                 name: str) -> bool:
+    """Dynamic data: train leased tasks batch by batch until the job's data is done. Each task
+    is reported once its last step's push was acknowledged. Returns True when ``stop`` ended it
+    early (the task in hand goes back with what was trained of it)."""
+    order: tuple[int, torch.Tensor] | None = None
+    while True:
+        lease = feed.next_task(stop)
+        if lease is None:
+            return stop is not None and stop.is_set()
+        task = lease.task
+        if order is None or order[0] != task.epoch:
+            order = (task.epoch, epoch_order(feed.plan.examples, feed.plan.seed, task.epoch))
+        indices = order[1][task.start:task.end]
+        feed.current = (lease, 0)
+        for offset in range(0, task.size, batch_size):
+            if stop is not None and stop.is_set():
+                return True
+            train_step(indices[offset:offset + batch_size])
+            if session.client.generation() != lease.generation:
+                # Fenced and registered again during the step: the task went back to the queue.
+                log.warning("%s: %s went back to the queue when this worker was fenced; taking the next",
+                            name, task)
+                break
+            feed.current = (lease, min(task.size, offset + batch_size))
+        else:
+            session.synchronize()  # with overlap, the last push is acknowledged here
+            feed.current = None
+            feed.finish(lease)
+            continue
+        feed.current = None
 
 
 def _wait_for_workers(session, count: int, timeout: float, name: str) -> None:

@@ -354,7 +354,7 @@ class StalenessBucket(_message.Message):
     def __init__(self, staleness: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds", "last_checkpoint_id", "last_checkpoint_path", "checkpoint_dir", "push_bytes_in_flight", "push_bytes_in_flight_peak", "max_inflight_bytes", "updates_nonfinite")
+    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds", "last_checkpoint_id", "last_checkpoint_path", "checkpoint_dir", "push_bytes_in_flight", "push_bytes_in_flight_peak", "max_inflight_bytes", "updates_nonfinite", "data")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +390,7 @@ class StatusResponse(_message.Message):
     PUSH_BYTES_IN_FLIGHT_PEAK_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPDATES_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     address: str
     shard_index: int
     num_shards: int
@@ -425,7 +426,94 @@ class StatusResponse(_message.Message):
     push_bytes_in_flight_peak: int
     max_inflight_bytes: int
     updates_nonfinite: int
-    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., push_bytes_in_flight: _Optional[int] = ..., push_bytes_in_flight_peak: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., updates_nonfinite: _Optional[int] = ...) -> None: ...
+    data: DataQueueStatus
+    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., push_bytes_in_flight: _Optional[int] = ..., push_bytes_in_flight_peak: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., updates_nonfinite: _Optional[int] = ..., data: _Optional[_Union[DataQueueStatus, _Mapping]] = ...) -> None: ...
+
+class DataPlan(_message.Message):
+    __slots__ = ("examples", "task_size", "seed", "total")
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TASK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    examples: int
+    task_size: int
+    seed: int
+    total: int
+    def __init__(self, examples: _Optional[int] = ..., task_size: _Optional[int] = ..., seed: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class DataTask(_message.Message):
+    __slots__ = ("epoch", "start", "end", "trained")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    start: int
+    end: int
+    trained: int
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., trained: _Optional[int] = ...) -> None: ...
+
+class DataRequest(_message.Message):
+    __slots__ = ("worker_id", "generation", "session", "plan", "finished", "want")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    generation: int
+    session: bytes
+    plan: DataPlan
+    finished: _containers.RepeatedCompositeFieldContainer[DataTask]
+    want: int
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., session: _Optional[bytes] = ..., plan: _Optional[_Union[DataPlan, _Mapping]] = ..., finished: _Optional[_Iterable[_Union[DataTask, _Mapping]]] = ..., want: _Optional[int] = ...) -> None: ...
+
+class DataResponse(_message.Message):
+    __slots__ = ("tasks", "plan", "queue")
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[DataTask]
+    plan: DataPlan
+    queue: DataQueueStatus
+    def __init__(self, tasks: _Optional[_Iterable[_Union[DataTask, _Mapping]]] = ..., plan: _Optional[_Union[DataPlan, _Mapping]] = ..., queue: _Optional[_Union[DataQueueStatus, _Mapping]] = ...) -> None: ...
+
+class DataHolder(_message.Message):
+    __slots__ = ("worker_name", "generation", "task")
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    worker_name: str
+    generation: int
+    task: DataTask
+    def __init__(self, worker_name: _Optional[str] = ..., generation: _Optional[int] = ..., task: _Optional[_Union[DataTask, _Mapping]] = ...) -> None: ...
+
+class DataQueueStatus(_message.Message):
+    __slots__ = ("active", "epoch", "tasks_done", "tasks_leased", "tasks_queued", "examples_done", "examples_total", "finished", "holders", "tasks_requeued", "plan")
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_LEASED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_DONE_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    active: bool
+    epoch: int
+    tasks_done: int
+    tasks_leased: int
+    tasks_queued: int
+    examples_done: int
+    examples_total: int
+    finished: bool
+    holders: _containers.RepeatedCompositeFieldContainer[DataHolder]
+    tasks_requeued: int
+    plan: DataPlan
+    def __init__(self, active: _Optional[bool] = ..., epoch: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_leased: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., examples_done: _Optional[int] = ..., examples_total: _Optional[int] = ..., finished: _Optional[bool] = ..., holders: _Optional[_Iterable[_Union[DataHolder, _Mapping]]] = ..., tasks_requeued: _Optional[int] = ..., plan: _Optional[_Union[DataPlan, _Mapping]] = ...) -> None: ...
 
 class InlinePull(_message.Message):
     __slots__ = ("header", "data", "bulk_bytes")

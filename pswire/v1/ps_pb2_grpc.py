@@ -89,6 +89,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=pswire_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.Data = channel.unary_unary(
+                '/pswire.v1.ParameterServer/Data',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.DataRequest.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.DataResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -171,6 +176,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Data(self, request, context):
+        """Dynamic data (shard 0 only): report data tasks finished or handed back, and lease new ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +240,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=pswire_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
                     response_serializer=pswire_dot_v1_dot_ps__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Data': grpc.unary_unary_rpc_method_handler(
+                    servicer.Data,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.DataRequest.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.DataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +544,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Checkpoint',
             pswire_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
             pswire_dot_v1_dot_ps__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Data(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/Data',
+            pswire_dot_v1_dot_ps__pb2.DataRequest.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.DataResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,7 +32,9 @@ def _cluster(directory: Path, name: str, ckpt: Path, *extra: str):
 def _train(ps: str, steps: int) -> dict:
     done = run_cli(
         "psworker", "--ps", ps, "--task", "mnist1d-mlp", "--mode", "sync", "--optimizer", "adam",
-        "--steps", str(steps), "--threads", "1", "--progress", "log", timeout=300,
+        "--steps", str(steps), "--threads", "1", "--progress", "log",
+        "--worker-index", "0",  # the static split: a restarted worker resumes at its recorded step
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])

@@ -1,0 +1,346 @@
+"""Dynamic data on the worker's side: identical workers, no indices, the data shared exactly.
+
+The job's data queue lives on shard 0 (``psserver.dataqueue``). A :class:`DataFeed` leases data
+tasks from it (ranges of an epoch's seeded permutation), keeps ``prefetch`` tasks in hand so that
+asking never stalls a step (the next lease and the last task's report travel together, on a
+background thread, while the worker trains), reports each task finished once every push of its
+examples was acknowledged, and hands back what it has not trained when it closes.
+
+In PyTorch's own terms, :class:`ElasticSampler` is the ``Sampler`` that plays for a parameter
+server job the role ``DistributedSampler`` plays for torchrun::
+
+    session = psworker.connect("ps0:7000,ps1:7000")
+    model, optimizer = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sampler = psworker.ElasticSampler(session, len(dataset), seed=0, epochs=2)
+    for x, y in torch.utils.data.DataLoader(dataset, batch_size=64, sampler=sampler):
+        loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+    session.close()   # reports the last task, hands back anything unfinished, leaves
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pswire import errors
+from pswire.consistency import Mode
+from pswire.data import DataPlan, DataTask
+from pswire.v1 import ps_pb2
+from pswire.wire import data_plan_to_proto, data_task_to_proto
+
+if TYPE_CHECKING:
+    from psworker.api import Session
+
+__all__ = ["DataFeed", "ElasticSampler", "Lease", "default_task_size", "epoch_order"]
+
+log = logging.getLogger(__name__)
+
+TASK_EXAMPLES = 256
+"""The default data task's size, rounded to whole batches: large enough that one exchange per
+task is nothing beside its steps, small enough that a lost worker costs little to redo."""
+
+
+def epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:
+    """Epoch ``epoch``'s permutation of ``range(size)``: the same on every worker and every run."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(size, generator=gen)
+
+
+def default_task_size(batch_size: int) -> int:
+    """About ``TASK_EXAMPLES`` examples, in whole batches."""
+    return batch_size * max(1, round(TASK_EXAMPLES / batch_size))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A data task leased to this worker's registration ``generation`` (on shard 0)."""
+
+    task: DataTask
+    generation: int
+
+
+class DataFeed:
+    """A worker's side of the job's data queue.
+
+    :meth:`next_task` hands out the next leased task (waiting while the tasks left are held by
+    other workers), :meth:`finish` reports one, :meth:`close` hands back the rest. While it
+    waits in an ssp or sync job the worker leaves the membership, so that no clock waits on it,
+    and registers again when a task comes free. Thread-safe; exchanges run one at a time.
+    """
+
+    def __init__(self, session: "Session", plan: DataPlan, *, prefetch: int = 1, poll_seconds: float = 0.25) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.plan = plan
+        self._session = session
+        self._prefetch = prefetch
+        self._poll = poll_seconds
+        self._lock = threading.Lock()
+        self._kick = threading.Condition(self._lock)
+        self._exchanging = threading.Lock()
+        self._ready: deque[Lease] = deque()
+        self._held: set[Lease] = set()
+        """Every task this worker holds: ready, in training, or reported and not yet acknowledged."""
+        self._reports: list[tuple[Lease, int]] = []
+        self._fenced = False
+        self._finished = False
+        self._closed = False
+        self.queue: ps_pb2.DataQueueStatus | None = None
+        """The queue as the last reply described it."""
+        self.tasks = 0
+        self.examples = 0
+        """Tasks finished, and examples trained, by this worker."""
+        self.wait_seconds = 0.0
+        """Time :meth:`next_task` spent waiting for a task to come free."""
+        self.current: tuple[Lease, int] | None = None
+        """The task in training and how many of its examples are trained (kept by the caller,
+        for :meth:`close`)."""
+        self._thread = threading.Thread(target=self._background, name="psworker-data", daemon=True)
+        self._thread.start()
+
+    # -- the training side ----------------------------------------------------------------------
+
+    def next_task(self, stop: threading.Event | None = None) -> Lease | None:
+        """The next task to train, or None once the job's data is done (or ``stop`` is set).
+        Raises ``pswire.errors.PSError`` when the queue refuses (a different plan, say)."""
+        waited_from = None
+        try:
+            while stop is None or not stop.is_set():
+                generation = self._session.client.generation()
+                with self._lock:
+                    stale = [lease for lease in self._ready if lease.generation != generation]
+                    for lease in stale:  # they went back to the queue when this worker re-registered
+                        self._ready.remove(lease)
+                        self._held.discard(lease)
+                    if self._ready:
+                        lease = self._ready.popleft()
+                        self._kick.notify_all()  # prefetch the next one meanwhile
+                        return lease
+                    fenced, self._fenced = self._fenced, False
+                if self._session.left and not fenced:
+                    fenced = self._parked_may_resume()
+                    if not fenced:
+                        waited_from = waited_from or time.monotonic()
+                        self._pause(stop)
+                        continue
+                if fenced:
+                    self._session.rejoin()
+                    continue
+                self._exchange(want=1 + self._prefetch)
+                with self._lock:
+                    if self._ready or self._fenced:
+                        continue
+                    if self._finished:
+                        return None
+                # Nothing free: the tasks left are leased to others (and come back if they die).
+                waited_from = waited_from or time.monotonic()
+                if self._session.client.consistency.mode is not Mode.ASYNC and not self._session.left:
+                    log.info("%s: no data task free (the rest are held by other workers); leaving the %s "
+                             "membership while it waits", self._session.worker_name,
+                             self._session.client.consistency.mode.value)
+                    self._session.leave()
+                self._pause(stop)
+            return None
+        finally:
+            if waited_from is not None:
+                self.wait_seconds += time.monotonic() - waited_from
+
+    def _parked_may_resume(self) -> bool:
+        # A worker that left to wait asks (want 0) whether a task came free or the job ended:
+        # then, or when the shard fenced it meanwhile, it registers again.
+        status = self._exchange(want=0)
+        with self._lock:
+            self._fenced = False
+        return status is None or status.tasks_queued > 0 or status.finished
+
+    def _pause(self, stop: threading.Event | None) -> None:
+        (stop or threading.Event()).wait(self._poll)
+
+    def finish(self, lease: Lease, trained: int | None = None) -> None:
+        """``lease``'s task is done (``trained`` None: all of it), or only its first ``trained``
+        examples are: the rest goes back to the queue. Reported with the next exchange, which
+        starts at once on the background thread."""
+        trained = lease.task.size if trained is None else trained
+        if not 0 <= trained <= lease.task.size:
+            raise ValueError(f"{trained} examples of {lease.task} cannot have been trained")
+        with self._lock:
+            self._reports.append((lease, trained))
+            self.examples += trained
+            self.tasks += trained == lease.task.size
+            self._kick.notify_all()
+
+    def close(self, *, current: tuple[Lease, int] | None = None) -> None:
+        """Hand back what this worker holds, ``current`` with what was trained of it and the
+        prefetched tasks whole, then wait for the report to reach the queue (best effort: a
+        worker that cannot report has its tasks given back when it leaves or is evicted)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if current is not None:
+                lease, trained = current
+                self._reports.append((lease, trained))
+                self.examples += trained
+            self._reports.extend((lease, 0) for lease in self._ready)
+            self._ready.clear()
+            self._kick.notify_all()
+        self._thread.join(timeout=self._session.client.options.timeout)
+        if self._reports and not self._session.left:
+            try:
+                self._exchange(want=0)
+            except errors.PSError as exc:
+                log.warning("%s: handing back data tasks: %s", self._session.worker_name, exc)
+
+    # -- exchanges ------------------------------------------------------------------------------
+
+    def _background(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._reports and (
+                    self._finished or self._fenced or self._session.left or len(self._ready) >= self._prefetch
+                ):
+                    self._kick.wait()
+                if self._closed:
+                    return
+                want = 0 if self._finished or self._fenced or self._session.left else self._prefetch - len(self._ready)
+            try:
+                self._exchange(want=max(0, want))
+            except errors.PSError as exc:
+                # The training side meets the same refusal on its next exchange and raises it.
+                log.warning("%s: data exchange failed: %s", self._session.worker_name, exc)
+                with self._lock:
+                    self._kick.wait(self._poll)
+
+    def _exchange(self, *, want: int) -> ps_pb2.DataQueueStatus | None:
+        """One request: send the pending reports, lease ``want`` more. Returns the queue's
+        status, or None when this worker was fenced (its tasks went back; it must re-register)."""
+        with self._exchanging:
+            generation = self._session.client.generation()
+            with self._lock:
+                dropped = [r for r in self._reports if r[0].generation != generation]
+                self._reports = [r for r in self._reports if r[0].generation == generation]
+                sent = list(self._reports)
+                for lease, _ in dropped:  # given back when this worker re-registered
+                    self._held.discard(lease)
+                    log.info("%s: %s went back to the queue when this worker re-registered",
+                             self._session.worker_name, lease.task)
+            try:
+                generation, reply = self._session.client.data(
+                    data_plan_to_proto(self.plan), [data_task_to_proto(lease.task, n) for lease, n in sent], want,
+                )
+            except errors.FencedError as exc:
+                log.warning("%s: the data queue fenced this worker off (%s); its tasks went back",
+                            self._session.worker_name, exc)
+                with self._lock:
+                    self._fenced = True
+                    self._held -= {lease for lease, _ in sent}
+                    self._reports = [r for r in self._reports if r not in sent]
+                return None
+            with self._lock:
+                self._reports = [r for r in self._reports if r not in sent]
+                self._held -= {lease for lease, _ in sent}
+                for proto in reply.tasks:
+                    lease = Lease(DataTask(proto.epoch, proto.start, proto.end), generation)
+                    if lease not in self._held:
+                        self._held.add(lease)
+                        self._ready.append(lease)
+                self.queue = reply.queue
+                self._finished = reply.queue.finished
+                self._kick.notify_all()
+            return reply.queue
+
+
+class ElasticSampler(torch.utils.data.Sampler[int]):
+    """A ``Sampler`` over ``size`` examples whose indices come from the data tasks the job leases
+    to this worker: identical workers share the job's data exactly, however many there are and
+    whenever they join or leave.
+
+    Iterating yields every index of each leased task (epoch by epoch, in the job's seeded order)
+    and ends when the job's data is done, so one ``for`` loop trains this worker's share of the
+    whole job (``epochs`` or ``total`` examples across all workers; every worker must give the
+    same ``size``, ``seed``, ``task_size`` and length). A task counts as trained once the
+    optimizer has stepped after its last index was taken, plus ``lag`` steps for a ``DataLoader``
+    that fetches ahead (``num_workers * prefetch_factor`` batches; 0 for the default loader):
+    then a worker that dies loses no example and repeats none of the tasks it reported.
+    ``session.close()`` reports the last task and hands back the rest.
+    """
+
+    def __init__(
+        self,
+        session: "Session",
+        size: int,
+        *,
+        seed: int = 0,
+        task_size: int = TASK_EXAMPLES,
+        epochs: float = 1.0,
+        total: int | None = None,
+        prefetch: int = 1,
+        lag: int = 0,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        if lag < 0:
+            raise ValueError(f"lag must be >= 0, got {lag}")
+        if total is None:
+            if epochs <= 0:
+                raise ValueError(f"epochs must be > 0, got {epochs}")
+            total = max(1, round(epochs * size))
+        plan = DataPlan(examples=size, task_size=task_size, seed=seed, total=total)
+        self.session = session
+        self.feed = DataFeed(session, plan, prefetch=prefetch)
+        self._lag = lag + (1 if session.overlap else 0)  # with overlap a step's push lands one step later
+        self._lock = threading.Lock()
+        self._taken: list[tuple[Lease, list[int]]] = []
+        """Tasks being yielded or trained: the lease and the step count when each index was taken."""
+        self._order: tuple[int, torch.Tensor] | None = None
+        session.add_step_hook(self._stepped)
+        session.add_close_hook(self._close)
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            lease = self.feed.next_task()
+            if lease is None:
+                return
+            task = lease.task
+            if self._order is None or self._order[0] != task.epoch:
+                self._order = (task.epoch, epoch_order(self.feed.plan.examples, self.feed.plan.seed, task.epoch))
+            steps: list[int] = []
+            with self._lock:
+                self._taken.append((lease, steps))
+            for index in self._order[1][task.start:task.end].tolist():
+                steps.append(self.session.steps)
+                yield index
+
+    def _trained(self, steps: list[int]) -> int:
+        # Indices are taken in order: those taken more than lag steps before the last step are in.
+        now = self.session.steps
+        return sum(1 for taken in steps if taken + 1 + self._lag <= now)
+
+    def _stepped(self) -> None:
+        generation = self.session.client.generation()
+        with self._lock:
+            keep = []
+            for lease, steps in self._taken:
+                if lease.generation != generation:
+                    continue  # went back to the queue when this worker was fenced
+                if len(steps) == lease.task.size and self._trained(steps) == lease.task.size:
+                    self.feed.finish(lease)
+                else:
+                    keep.append((lease, steps))
+            self._taken = keep
+
+    def _close(self) -> None:
+        generation = self.session.client.generation()
+        with self._lock:
+            taken, self._taken = self._taken, []
+        current = [(lease, self._trained(steps)) for lease, steps in taken if lease.generation == generation]
+        for lease, trained in current[:-1]:
+            self.feed.finish(lease, trained)
+        self.feed.close(current=current[-1] if current else None)
