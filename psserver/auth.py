@@ -254,7 +254,8 @@ class TokenAuth(grpc.ServerInterceptor):
 
 class CallClass(enum.Enum):
     CONTROL = "control"
-    """Register, Heartbeat, Leave, health Check: short, and what keeps workers alive. Not capped."""
+    """Register, Heartbeat, Leave, Data (the data queue), health Check: short, and what keeps
+    workers alive and fed. Not capped."""
     STATUS = "status"
     """Status: read-only, but a loop of them must not crowd out the rest."""
     WATCH = "watch"
@@ -264,7 +265,7 @@ class CallClass(enum.Enum):
     """Everything that moves or waits on the model's bytes, or writes a checkpoint."""
 
 
-_CONTROL_METHODS = frozenset({"Register", "Heartbeat", "Leave"})
+_CONTROL_METHODS = frozenset({"Register", "Heartbeat", "Leave", "Data"})
 _STATUS_METHODS = frozenset({"Status"})
 
 

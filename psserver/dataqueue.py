@@ -20,14 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pswire.errors import InvalidArgumentError, PreconditionError
-from pswire.data import DataPlan, DataTask
+from pswire.data import MAX_HELD, DataPlan, DataTask
 from pswire.wire import MAX_COUNT
 
 __all__ = ["DataQueue", "MAX_HELD"]
-
-MAX_HELD = 8
-"""The most tasks one worker may hold at once: nobody can drain the queue and starve the rest."""
-
 
 @dataclass
 class _Lease:
@@ -54,12 +50,17 @@ class DataQueue:
 
     # -- leasing ------------------------------------------------------------------------------
 
+    @staticmethod
+    def check_want(want: int) -> None:
+        """Raises ``InvalidArgumentError`` unless ``0 <= want <= MAX_HELD``."""
+        if not 0 <= want <= MAX_HELD:
+            raise InvalidArgumentError(f"a worker may ask for 0..{MAX_HELD} data tasks at once, not {want}")
+
     def lease(self, holder: str, generation: int, want: int) -> list[DataTask]:
         """Lease up to ``want`` tasks to ``holder`` (generation ``generation``), given-back ones
         first, never taking it above ``MAX_HELD``. Returns fewer (or none) when the queue has
         nothing free: the rest is leased to others, or the job's data is done."""
-        if not 0 <= want <= MAX_HELD:
-            raise InvalidArgumentError(f"a worker may ask for 0..{MAX_HELD} data tasks at once, not {want}")
+        self.check_want(want)
         room = MAX_HELD - sum(1 for lease in self._leased.values() if lease.holder == holder)
         tasks = []
         while len(tasks) < min(want, room):
@@ -184,12 +185,14 @@ class DataQueue:
             raise ValueError(f"data queue: bad plan: {exc}") from None
         queue = cls(plan)
         try:
-            queue._frontier = min(_count(doc["frontier"], "frontier"), plan.total)
+            queue._frontier = _count(doc["frontier"], "frontier")
             tasks = [DataTask(*(_count(v, "task bound") for v in t)) for t in doc["leased"] + doc["queued"]]
             for name in ("tasks_done", "examples_done", "tasks_requeued"):
                 setattr(queue, name, _count(doc.get(name, 0), name))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"data queue: malformed: {exc}") from None
+        if queue._frontier > plan.total:
+            raise ValueError(f"data queue: frontier {queue._frontier} is beyond the plan's {plan.total} examples")
         for task in tasks:
             first = task.epoch * plan.examples + task.start
             if not (task.start < task.end <= plan.examples and first + task.size <= queue._frontier):

@@ -49,6 +49,7 @@ STALENESS_BOUNDS = (0, 1, 2, 4, 8, STALENESS_BUCKETS - 1)
 the store's last bucket, which ``Counters.staleness_beyond`` splits into 16 and above."""
 PUSH_OUTCOMES = ("applied", "scaled", "dropped", "duplicate", "fenced", "nonfinite", "rejected")
 WORKER_STATES = ("live", "evicted", "left", "fenced")
+DATA_TASK_STATES = ("done", "leased", "queued")
 
 _HEALTH_METHODS = frozenset({"Check", "Watch"})
 
@@ -200,6 +201,8 @@ class ShardCollector(Collector):
         yield GaugeMetricFamily("psserver_inflight_push_bytes", "Bytes of pushes received but not yet applied "
                                 "(bounded by --max-inflight-bytes).", value=self._budget.held)
 
+        yield from _data_queue(r.data)
+
         cp = self._checkpointer
         yield GaugeMetricFamily("psserver_checkpoint_last_success_timestamp_seconds",
                                 "Unix time of the last checkpoint this shard wrote (0: none yet).",
@@ -210,6 +213,30 @@ class ShardCollector(Collector):
                                 "(0: none).", value=cp.last_id if cp else 0)
         yield GaugeMetricFamily("psserver_checkpoint_schedule_seconds", "The --checkpoint-every period in seconds "
                                 "(0: none, or a schedule in steps).", value=cp.schedule_seconds if cp else 0.0)
+
+
+def _data_queue(status: dict | None) -> Iterator[Metric]:
+    """The job's data queue (``DataQueue.status``). Every family from the start, at 0 on a shard
+    that holds no queue (shards other than 0, jobs without dynamic data, before the first data
+    request), as the checkpoint gauges are before a checkpoint: series that appear mid-run hide
+    their first change from ``rate()``, and ``examples{state="total"}`` 0 says there is no queue."""
+    d = status or {}
+    yield GaugeMetricFamily("psserver_data_epoch", "Dynamic data: the oldest epoch with examples not yet "
+                            "trained (0 without a data queue on this shard).", value=d.get("epoch", 0))
+    tasks = GaugeMetricFamily("psserver_data_tasks", "Dynamic data: tasks by state: done (trained whole), leased "
+                              "(held by a worker), queued (given back, or not yet cut).", labels=("state",))
+    for state in DATA_TASK_STATES:
+        tasks.add_metric((state,), d.get(f"tasks_{state}", 0))
+    yield tasks
+    examples = GaugeMetricFamily("psserver_data_examples", "Dynamic data: examples trained (done) and to train "
+                                 "in the whole job (total; 0 without a data queue on this shard).",
+                                 labels=("state",))
+    examples.add_metric(("done",), d.get("examples_done", 0))
+    examples.add_metric(("total",), d.get("examples_total", 0))
+    yield examples
+    yield CounterMetricFamily("psserver_data_tasks_requeued", "Dynamic data: tasks, or the untrained rest of "
+                              "one, given back to the queue (a worker left, was evicted or registered again, "
+                              "or reported a task partly trained).", value=d.get("tasks_requeued", 0))
 
 
 def _staleness(counts: tuple[int, ...], total_sum: int, beyond: int) -> HistogramMetricFamily:

@@ -921,6 +921,7 @@ class ShardStore:
                     f"the job's data plan is {queue.plan.describe()}; {worker.name} asks for {plan.describe()} "
                     "(every worker of the job must use the same dataset, task size, seed and length)"
                 )
+            queue.check_want(want)
             keys = [(t.epoch, t.start) for t, _ in finished]
             if len(set(keys)) != len(keys):
                 raise InvalidArgumentError("a data task is reported finished twice in one request")

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from pswire.errors import InvalidArgumentError
 
-__all__ = ["DataPlan", "DataTask"]
+__all__ = ["DataPlan", "DataTask", "MAX_HELD"]
+
+MAX_HELD = 8
+"""The most data tasks one worker may hold at once: nobody can drain the queue and starve the rest."""
 
 @dataclass(frozen=True)
 class DataPlan:

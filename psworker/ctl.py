@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
+from pswire.data import DataPlan
 from pswire.errors import PSError
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security
 from psworker.client import ClientOptions, PSClient
@@ -96,7 +97,27 @@ def _table(shards: list[dict]) -> str:
             f"last checkpoint {s['last_checkpoint_id'] or 'none'}; "
             f"workers: {names or 'none'}"
         )
+        if s.get("data") and s["data"]["active"]:
+            lines.append(f"{s['address']}: {_data_line(s['data'])}")
     return "\n".join(lines)
+
+
+def _data_line(q: dict) -> str:
+    """The job's data queue (shard 0 of a job with dynamic data): progress, and who holds what."""
+    plan = q.get("plan") or {}
+    held: dict[tuple[str, int], list[str]] = {}
+    for h in q["holders"]:
+        t = h["task"]
+        task = f"epoch {t['epoch']} [{t['start']}, {t['end']})"
+        held.setdefault((h["worker_name"], h["generation"]), []).append(task)
+    holders = "; ".join(f"{name} (gen {gen}): {', '.join(tasks)}" for (name, gen), tasks in held.items())
+    described = DataPlan(**plan).describe() if plan else "-"
+    return (
+        f"dynamic data: epoch {q['epoch']}; tasks {q['tasks_done']} done, {q['tasks_leased']} leased, "
+        f"{q['tasks_queued']} queued ({q['tasks_requeued']} requeued); "
+        f"examples {q['examples_done']}/{q['examples_total']} done; finished {'yes' if q['finished'] else 'no'}; "
+        f"plan {described}; held by {holders or 'nobody'}"
+    )
 
 
 def _add_security(parser: argparse.ArgumentParser, role: str) -> None:
@@ -112,7 +133,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     env = os.environ if env is None else env
     parser = argparse.ArgumentParser(prog="psctl", description="Inspect parameter-server shards.")
     sub = parser.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", help="per shard: variables, bytes, version, workers, pushes")
+    status = sub.add_parser("status", help="per shard: variables, bytes, version, workers, pushes; the data "
+                            "queue of a job with dynamic data")
     status.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...]")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default: 10)")

@@ -31,7 +31,7 @@ import torch
 
 from pswire import errors
 from pswire.consistency import Mode
-from pswire.data import DataPlan, DataTask
+from pswire.data import MAX_HELD, DataPlan, DataTask
 from pswire.v1 import ps_pb2
 from pswire.wire import data_plan_to_proto, data_task_to_proto
 
@@ -76,8 +76,9 @@ class DataFeed:
     """
 
     def __init__(self, session: "Session", plan: DataPlan, *, prefetch: int = 1, poll_seconds: float = 0.25) -> None:
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if not 0 <= prefetch < MAX_HELD:
+            raise ValueError(f"prefetch must be in 0..{MAX_HELD - 1} (a worker holds at most {MAX_HELD} tasks), "
+                             f"got {prefetch}")
         self.plan = plan
         self._session = session
         self._prefetch = prefetch
@@ -133,7 +134,7 @@ class DataFeed:
                 if fenced:
                     self._session.rejoin()
                     continue
-                self._exchange(want=1 + self._prefetch)
+                self._exchange(target=1 + self._prefetch)
                 with self._lock:
                     if self._ready or self._fenced:
                         continue
@@ -155,7 +156,7 @@ class DataFeed:
     def _parked_may_resume(self) -> bool:
         # A worker that left to wait asks (want 0) whether a task came free or the job ended:
         # then, or when the shard fenced it meanwhile, it registers again.
-        status = self._exchange(want=0)
+        status = self._exchange(target=0)
         with self._lock:
             self._fenced = False
         return status is None or status.tasks_queued > 0 or status.finished
@@ -194,7 +195,7 @@ class DataFeed:
         self._thread.join(timeout=self._session.client.options.timeout)
         if self._reports and not self._session.left:
             try:
-                self._exchange(want=0)
+                self._exchange(target=0)
             except errors.PSError as exc:
                 log.warning("%s: handing back data tasks: %s", self._session.worker_name, exc)
 
@@ -209,21 +210,23 @@ class DataFeed:
                     self._kick.wait()
                 if self._closed:
                     return
-                want = 0 if self._finished or self._fenced or self._session.left else self._prefetch - len(self._ready)
+                target = 0 if self._finished or self._fenced or self._session.left else self._prefetch
             try:
-                self._exchange(want=max(0, want))
+                self._exchange(target=target)
             except errors.PSError as exc:
                 # The training side meets the same refusal on its next exchange and raises it.
                 log.warning("%s: data exchange failed: %s", self._session.worker_name, exc)
                 with self._lock:
                     self._kick.wait(self._poll)
 
-    def _exchange(self, *, want: int) -> ps_pb2.DataQueueStatus | None:
-        """One request: send the pending reports, lease ``want`` more. Returns the queue's
-        status, or None when this worker was fenced (its tasks went back; it must re-register)."""
+    def _exchange(self, *, target: int) -> ps_pb2.DataQueueStatus | None:
+        """One request: send the pending reports, lease enough to have ``target`` tasks ready.
+        Returns the queue's status, or None when this worker was fenced (its tasks went back;
+        it must re-register)."""
         with self._exchanging:
             generation = self._session.client.generation()
             with self._lock:
+                want = max(0, target - len(self._ready))
                 dropped = [r for r in self._reports if r[0].generation != generation]
                 self._reports = [r for r in self._reports if r[0].generation == generation]
                 sent = list(self._reports)
@@ -231,10 +234,25 @@ class DataFeed:
                     self._held.discard(lease)
                     log.info("%s: %s went back to the queue when this worker re-registered",
                              self._session.worker_name, lease.task)
+            refused: list[tuple[Lease, int]] = []
             try:
-                generation, reply = self._session.client.data(
-                    data_plan_to_proto(self.plan), [data_task_to_proto(lease.task, n) for lease, n in sent], want,
-                )
+                try:
+                    generation, reply = self._session.client.data(
+                        data_plan_to_proto(self.plan), [data_task_to_proto(lease.task, n) for lease, n in sent],
+                        want,
+                    )
+                except errors.PreconditionError as exc:
+                    if not sent:
+                        raise
+                    # A report the queue does not match: a retried request whose first copy was
+                    # applied, or a task that went back; the request changed nothing. Ask again
+                    # without the reports; those of tasks the reply still names as held are sent
+                    # again next time, the others are not this worker's any more.
+                    log.warning("%s: data report refused (%s)", self._session.worker_name, exc)
+                    refused, sent = sent, []
+                    with self._lock:
+                        self._reports = [r for r in self._reports if r not in refused]
+                    generation, reply = self._session.client.data(data_plan_to_proto(self.plan), [], want)
             except errors.FencedError as exc:
                 log.warning("%s: the data queue fenced this worker off (%s); its tasks went back",
                             self._session.worker_name, exc)
@@ -246,6 +264,12 @@ class DataFeed:
             with self._lock:
                 self._reports = [r for r in self._reports if r not in sent]
                 self._held -= {lease for lease, _ in sent}
+                held = {Lease(DataTask(t.epoch, t.start, t.end), generation) for t in reply.tasks}
+                for lease, trained in refused:
+                    if lease in held:
+                        self._reports.append((lease, trained))
+                    else:
+                        self._held.discard(lease)
                 for proto in reply.tasks:
                     lease = Lease(DataTask(proto.epoch, proto.start, proto.end), generation)
                     if lease not in self._held:

@@ -67,10 +67,27 @@ class WorkerMetrics:
                                "off (evicted, or a shard restored).", registry=registry)
         self._loss: Gauge | None = None
         self._accuracy: Gauge | None = None
+        self._data: tuple[Counter, Counter] | None = None
+        self._data_seen = (0, 0.0)
         self._rejoins_seen = 0
         self._lock = threading.Lock()  # guards _exchange: the client's threads add, the training loop takes
         self._exchange = [0.0, 0.0, 0.0]
         """Push, pull and wait seconds reported since the last ``take_exchange``."""
+
+    def data(self, *, tasks: int, wait_seconds: float) -> None:
+        """Dynamic data: the feed's totals so far (tasks this worker finished, seconds it waited
+        for a free one). The counters appear with the first call: a static worker has none."""
+        if self._data is None:
+            self._data = (
+                Counter("psworker_data_tasks_total", "Data tasks this worker trained to the end and reported "
+                        "(dynamic data).", registry=self.registry),
+                Counter("psworker_data_wait_seconds_total", "Time this worker waited for a data task to come free "
+                        "(dynamic data: the rest were held by other workers).", registry=self.registry),
+            )
+        done, waited = self._data_seen
+        self._data[0].inc(max(0, tasks - done))
+        self._data[1].inc(max(0.0, wait_seconds - waited))
+        self._data_seen = (max(tasks, done), max(wait_seconds, waited))
 
     def retried(self, what: str) -> None:
         """``ClientOptions.on_retry``."""

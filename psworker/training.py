@@ -255,7 +255,8 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
                     session.progress = {"step": step_number, "epoch": data.epoch, "position": data.position}
                 train_step(idx)
         else:
-            stopped = _train_tasks(feed, session, batch_size, train_step, stop, config.name)
+            on_task = (lambda: metrics.data(tasks=feed.tasks, wait_seconds=feed.wait_seconds)) if metrics else None
+            stopped = _train_tasks(feed, session, batch_size, train_step, stop, config.name, on_task)
         if session is not None:
             try:
                 session.synchronize()  # the last step's exchange (overlap) counts in the time
@@ -298,13 +299,16 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
 
 
 def _train_tasks(feed: DataFeed, session, batch_size: int, train_step, stop: threading.Event | None,
-                 name: str) -> bool:
+                 name: str, on_task=None) -> bool:
     """Dynamic data: train leased tasks batch by batch until the job's data is done. Each task
     is reported once its last step's push was acknowledged. Returns True when ``stop`` ended it
-    early (the task in hand goes back with what was trained of it)."""
+    early (the task in hand goes back with what was trained of it). ``on_task()`` is called
+    as each task starts (metrics)."""
     order: tuple[int, torch.Tensor] | None = None
     while True:
         lease = feed.next_task(stop)
+        if on_task is not None:
+            on_task()
         if lease is None:
             return stop is not None and stop.is_set()
         task = lease.task

@@ -102,7 +102,8 @@ def test_worker_restarted_after_its_last_step_finishes_without_training_more(sha
     """Killed between its last push and its result line, a worker started again finds all its
     steps recorded: it runs none and still reports (no loss of its own: ``final_loss`` is None)."""
     (a,) = shards(1)
-    args = ("--ps", a.address, "--task", "linreg", "--steps", "30", "--threads", "1", "--progress", "log")
+    args = ("--ps", a.address, "--task", "linreg", "--steps", "30", "--threads", "1", "--progress", "log",
+            "--worker-index", "0")  # the static split: a restarted worker resumes at its recorded step
     first = run_cli("psworker", *args, timeout=120)
     assert first.returncode == 0, first.stderr[-3000:]
     again = run_cli("psworker", *args, timeout=120)

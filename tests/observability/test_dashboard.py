@@ -28,8 +28,10 @@ def test_the_contract_table_lists_every_metric_family():
     contract = contract_metrics()
     shard = {n for n in contract if n.startswith("psserver_")}
     worker = {n for n in contract if n.startswith("psworker_")}
-    assert len(shard) == 20 and len(worker) == 8, sorted(contract)
+    assert len(shard) == 24 and len(worker) == 8, sorted(contract)
     assert contract["psserver_rpc_duration_seconds"].labels == ("method", "code")
+    assert contract["psserver_data_tasks"].labels == ("state",) and contract["psserver_data_tasks"].type == "gauge"
+    assert contract["psserver_data_tasks_requeued_total"].type == "counter"
     assert contract["psworker_step_phase_seconds"].type == "histogram"
 
 
@@ -108,7 +110,8 @@ def test_dashboard_queries_use_only_contract_metrics():
                  "psserver_checkpoint_last_success_timestamp_seconds", "psserver_checkpoint_duration_seconds_sum",
                  "psserver_checkpoint_failures_total", "psserver_pushes_total", "psserver_push_bytes_total",
                  "psserver_pull_bytes_total", "psserver_version", "psserver_clock", "psworker_retries_total",
-                 "psworker_rejoins_total", "psserver_checkpoint_last_id"):
+                 "psworker_rejoins_total", "psserver_checkpoint_last_id", "psserver_data_epoch", "psserver_data_tasks",
+                 "psserver_data_examples", "psserver_data_tasks_requeued_total"):
         assert name in used, f"no panel plots {name}"
 
 

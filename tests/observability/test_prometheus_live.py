@@ -302,6 +302,11 @@ def test_a_shard_whose_checkpoints_fail_raises_the_checkpoint_alerts(tmp_path, p
             wait_for(lambda: (prom.value("psserver_checkpoint_last_success_timestamp_seconds") or 0) > 0, 60,
                      "a first checkpoint", pace=prom.popen, explain=lambda: shard.log()[-3000:] + worker.log()[-2000:])
             assert prom.value("psserver_checkpoint_schedule_seconds") == 1
+            # The worker has no --worker-index: dynamic data, whose queue this shard (0) holds.
+            wait_for(lambda: (prom.value('psserver_data_tasks{state="done"}') or 0) > 0, 60, "a data task done",
+                     pace=prom.popen, explain=lambda: shard.log()[-3000:] + worker.log()[-2000:])
+            done, total = (prom.value(f'psserver_data_examples{{state="{state}"}}') for state in ("done", "total"))
+            assert total > done > 0
 
             # The checkpoint directory becomes a regular file: every later checkpoint fails.
             replace_with_file(checkpoints)

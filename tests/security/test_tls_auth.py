@@ -81,8 +81,10 @@ def _refused(call, code: grpc.StatusCode) -> str:
 
 def _worker(ps: str, *flags: str, env: dict[str, str] | None = None, steps: int = 20) -> subprocess.Popen:
     return subprocess.Popen(
+        # The static split: several runs of different lengths join one job (dynamic data would hold
+        # every run to the first one's plan).
         [sys.executable, "-m", "psworker", "--ps", ps, "--task", "linreg", "--steps", str(steps), "--threads", "1",
-         "--progress", "log", *flags],
+         "--progress", "log", "--worker-index", "0", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(child_env(), **(env or {})), cwd=ROOT,
     )
 

@@ -34,7 +34,9 @@ from pswire.dtypes import FLOAT32
 from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2
 from pswire.wire import consistency_to_proto
+from psserver.dataqueue import MAX_HELD
 from psworker.client import ClientOptions, PSClient
+from tests.service.test_data_service import PLAN, data
 from tests.service.test_shard_service import (
     GRADS, MODEL_BYTES, PART, RPC_TIMEOUT, SGD, Worker, chunks, expect_rpc_error, initialize, open_stub,  # noqa: F401
     register, started_shards, status,
@@ -65,6 +67,10 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "psserver_checkpoint_failures": ("counter", ()),
     "psserver_checkpoint_last_id": ("gauge", ()),
     "psserver_checkpoint_schedule_seconds": ("gauge", ()),
+    "psserver_data_epoch": ("gauge", ()),
+    "psserver_data_tasks": ("gauge", ("state",)),
+    "psserver_data_examples": ("gauge", ("state",)),
+    "psserver_data_tasks_requeued": ("counter", ()),
 }
 """Every shard metric of the contract: its family name as the parser gives it (a counter's
 without ``_total``), type and labels (a histogram's ``le`` aside)."""
@@ -252,6 +258,10 @@ def test_every_shard_metric_is_served_with_its_type_labels_and_what_happened(mak
     assert written_at - 60 < scrape.value("psserver_checkpoint_last_success_timestamp_seconds") <= written_at
     assert scrape.value("psserver_checkpoint_failures_total") == 1
     assert scrape.value("psserver_checkpoint_schedule_seconds") == 0
+    # A static job: no data queue, every data series at 0.
+    assert scrape.value("psserver_data_epoch") == 0 and scrape.value("psserver_data_tasks_requeued_total") == 0
+    assert scrape.values("psserver_data_tasks", "state") == {"done": 0, "leased": 0, "queued": 0}
+    assert scrape.values("psserver_data_examples", "state") == {"done": 0, "total": 0}
 
     # Every call timed by method and status code, the refused ones too.
     calls = {(s.labels["method"], s.labels["code"]): s.value
@@ -300,6 +310,41 @@ def test_a_restored_shard_keeps_the_checkpointed_counters_and_fences_every_worke
     assert after.value("psserver_checkpoint_schedule_seconds") == 60
     assert after.value("psserver_info", shard_index="0", num_shards="1", mode="ssp") == 1
     promtool_check(after.text)
+
+
+def test_the_data_queue_is_exported_as_it_stands(make_shard, open_stub):
+    shard = make_shard()
+    stub = open_stub(shard.address)
+    w0, w1 = register(stub, "worker-0")[0], register(stub, "worker-1")[0]
+    assert initialize(stub, w0).applied
+    # Two epochs of 10 examples in tasks of 4 (six tasks). worker-0 trains one task whole and
+    # 1 example of the next; worker-1 leases two tasks, then leaves: both go back.
+    first = data(stub, w0, want=2).tasks
+    data(stub, w0, finished=[(first[0], 4), (first[1], 1)], want=1)
+    data(stub, w1, want=2)
+    stub.Leave(ps_pb2.LeaveRequest(worker_id=w1.worker_id, generation=w1.generation, session=w1.session),
+               timeout=RPC_TIMEOUT)
+    queue = status(stub).data
+    scrape = Scrape(shard.metrics_url)
+    assert scrape.value("psserver_data_epoch") == queue.epoch == 0
+    assert scrape.values("psserver_data_tasks", "state") == {
+        "done": queue.tasks_done, "leased": queue.tasks_leased, "queued": queue.tasks_queued} == {
+        "done": 1, "leased": 1, "queued": 4}
+    assert scrape.values("psserver_data_examples", "state") == {"done": 5, "total": PLAN.total}
+    assert scrape.value("psserver_data_tasks_requeued_total") == queue.tasks_requeued == 1 + 2
+
+    held = data(stub, w0).tasks
+    w1, _ = register(stub, "worker-1")
+    rest = data(stub, w1, want=MAX_HELD).tasks
+    data(stub, w0, finished=[(t, t.end - t.start) for t in held])
+    data(stub, w1, finished=[(t, t.end - t.start) for t in rest])
+    scrape = Scrape(shard.metrics_url)
+    assert status(stub).data.finished
+    assert scrape.value("psserver_data_epoch") == 1  # the last epoch, once done
+    # Six tasks done: not the first [4, 8), trained in part.
+    assert scrape.values("psserver_data_tasks", "state") == {"done": 6, "leased": 0, "queued": 0}
+    assert scrape.values("psserver_data_examples", "state") == {"done": 20, "total": 20}
+    promtool_check(scrape.text)
 
 
 @pytest.mark.parametrize("bulk", [True, False], ids=["bulk-lanes", "grpc"])

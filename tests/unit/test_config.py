@@ -21,6 +21,9 @@ def test_flags_win_over_environment_which_wins_over_defaults():
     (["--ps", "h:1"], {"PSWORKER_STEPS": "many"}, "PSWORKER_STEPS='many' is not a valid int"),
     (["--ps", "h:1", "--device", "tpu"], {}, "--device must be cpu, cuda"),
     (["--ps", "h:1", "--mode", "sync", "--overlap"], {}, "--overlap needs --mode async"),
+    (["--ps", "h:1", "--num-workers", "2"], {}, "--num-workers needs --worker-index"),
+    (["--ps", "h:1", "--worker-index", "0", "--data-task-size", "64"], {}, "--data-task-size must be >= 1, and is for dynamic"),
+    (["--ps", "h:1", "--data-task-size", "0"], {}, "--data-task-size must be >= 1"),
 ])
 def test_worker_config_errors_name_the_problem(argv, env, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -40,3 +43,11 @@ def test_server_config_errors_name_the_problem(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         server_args(argv, {})
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_a_worker_index_the_data_is_dynamic():
+    dynamic = worker_args(["--ps", "h:1"], {})
+    assert dynamic.dynamic and dynamic.name != "worker-0" and str(__import__("os").getpid()) in dynamic.name
+    static = worker_args(["--ps", "h:1", "--worker-index", "1", "--num-workers", "3"], {})
+    assert not static.dynamic and (static.index, static.count, static.name) == (1, 3, "worker-1")
+    assert not worker_args(["--local"], {}).dynamic
