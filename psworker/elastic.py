@@ -12,8 +12,10 @@ server job the role ``DistributedSampler`` plays for torchrun::
     session = psworker.connect("ps0:7000,ps1:7000")
     model, optimizer = session.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     sampler = psworker.ElasticSampler(session, len(dataset), seed=0, epochs=2)
-    for x, y in torch.utils.data.DataLoader(dataset, batch_size=64, sampler=sampler):
-        loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+    loader = torch.utils.data.DataLoader(dataset, batch_size=64, sampler=sampler)
+    while not sampler.finished:       # until the job's data is done, whoever trains it
+        for x, y in loader:
+            loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
     session.close()   # reports the last task, hands back anything unfinished, leaves
 """
 
@@ -108,8 +110,14 @@ class DataFeed:
 
     # -- the training side ----------------------------------------------------------------------
 
-    def next_task(self, stop: threading.Event | None = None) -> Lease | None:
-        """The next task to train, or None once the job's data is done (or ``stop`` is set).
+    @property
+    def finished(self) -> bool:
+        """The job's data is done, as the last reply said."""
+        return self._finished
+
+    def next_task(self, stop: threading.Event | None = None, *, wait: bool = True) -> Lease | None:
+        """The next task to train, or None once the job's data is done (or ``stop`` is set),
+        or, with ``wait`` False, when no task is free now (:attr:`finished` tells which).
         Raises ``pswire.errors.PSError`` when the queue refuses (a different plan, say)."""
         waited_from = None
         try:
@@ -138,7 +146,7 @@ class DataFeed:
                 with self._lock:
                     if self._ready or self._fenced:
                         continue
-                    if self._finished:
+                    if self._finished or not wait:
                         return None
                 # Nothing free: the tasks left are leased to others (and come back if they die).
                 waited_from = waited_from or time.monotonic()
@@ -286,14 +294,23 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     to this worker: identical workers share the job's data exactly, however many there are and
     whenever they join or leave.
 
-    Iterating yields every index of each leased task (epoch by epoch, in the job's seeded order)
-    and ends when the job's data is done, so one ``for`` loop trains this worker's share of the
-    whole job (``epochs`` or ``total`` examples across all workers; every worker must give the
-    same ``size``, ``seed``, ``task_size`` and length). A task counts as trained once the
-    optimizer has stepped after its last index was taken, plus ``lag`` steps for a ``DataLoader``
-    that fetches ahead (``num_workers * prefetch_factor`` batches; 0 for the default loader):
-    then a worker that dies loses no example and repeats none of the tasks it reported.
-    ``session.close()`` reports the last task and hands back the rest.
+    Iterating yields every index of each leased task, epoch by epoch in the job's seeded order
+    (every worker must give the same ``size``, ``seed``, ``task_size`` and length: ``epochs`` or
+    ``total`` examples across all workers). A pass ends when the job's data is done, or when no
+    task is free while indices this worker took are still on their way through the loader (the
+    job cannot finish before they are trained, so the pass ends rather than waits). To stay
+    until the job is done, and pick up tasks that other workers give back::
+
+        while not sampler.finished:
+            for x, y in loader:
+                ...
+
+    A task counts as trained once the optimizer has stepped after its last index was taken,
+    plus ``lag`` steps for a ``DataLoader`` that fetches ahead (``num_workers * prefetch_factor``
+    batches; 0 for the default loader), and, in any case, when the next pass starts (the loop
+    stepped on every batch of the last one). Then a worker that dies loses no example and
+    repeats none of the tasks it reported. ``session.close()`` reports the last tasks, with
+    what the lag rule says was trained of them, and hands back the rest.
     """
 
     def __init__(
@@ -327,9 +344,20 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         session.add_step_hook(self._stepped)
         session.add_close_hook(self._close)
 
+    @property
+    def finished(self) -> bool:
+        """The job's data is done: iterating yields nothing more."""
+        return self.feed.finished
+
     def __iter__(self) -> Iterator[int]:
+        # A new pass starts once the loop has stepped on every batch of the last one.
+        self._confirm(everything=True)
         while True:
-            lease = self.feed.next_task()
+            # Never wait for other workers' tasks while this one's indices are still in the
+            # loader: the job cannot finish before they are trained. End the pass instead.
+            with self._lock:
+                in_hand = bool(self._taken)
+            lease = self.feed.next_task(wait=not in_hand)
             if lease is None:
                 return
             task = lease.task
@@ -339,6 +367,10 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             with self._lock:
                 self._taken.append((lease, steps))
             for index in self._order[1][task.start:task.end].tolist():
+                if self.session.client.generation() != lease.generation:
+                    with self._lock:  # fenced and registered again: the task went back to the queue
+                        self._taken = [(held, taken) for held, taken in self._taken if held != lease]
+                    break
                 steps.append(self.session.steps)
                 yield index
 
@@ -348,15 +380,20 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         return sum(1 for taken in steps if taken + 1 + self._lag <= now)
 
     def _stepped(self) -> None:
+        self._confirm(everything=False)
+
+    def _confirm(self, *, everything: bool) -> None:
+        # Report the tasks whose every index is trained (``everything``: every task taken whole).
         generation = self.session.client.generation()
         with self._lock:
             keep = []
             for lease, steps in self._taken:
                 if lease.generation != generation:
                     continue  # went back to the queue when this worker was fenced
-                if len(steps) == lease.task.size and self._trained(steps) == lease.task.size:
+                whole = len(steps) == lease.task.size
+                if whole and (everything or self._trained(steps) == lease.task.size):
                     self.feed.finish(lease)
-                else:
+                elif not everything or not whole:
                     keep.append((lease, steps))
             self._taken = keep
 
