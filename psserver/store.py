@@ -32,7 +32,7 @@ from psserver.consistency import Mode, PushAction
 from psserver.dataqueue import DataQueue
 from pswire.data import DataPlan, DataTask
 from psserver.job import (
-    Registration, check_count, check_finite, check_parts, check_same_job, fmt_bytes,
+    MAX_COUNT, Registration, check_count, check_finite, check_parts, check_same_job, fmt_bytes,
 )
 from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
@@ -43,6 +43,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+RESTORE_ID_GAP = 1 << 20
+"""Worker ids a restored shard skips: more registrations than this between a checkpoint and the
+crash it is restored after would be needed for a fenced worker's id to be given out again."""
 
 
 class ShardState(enum.Enum):
@@ -985,7 +989,9 @@ class ShardStore:
             self._open_clock = position.open_clock
             self._workers = decoded.workers
             self._by_id = {w.worker_id: w for w in decoded.workers.values()}
-            self._next_worker_id = position.next_worker_id
+            # Ids given out between the checkpoint and the crash are not in it: skip past them, so
+            # that no new registration takes the id (and generation) a fenced worker still uses.
+            self._next_worker_id = min(position.next_worker_id + RESTORE_ID_GAP, MAX_COUNT)
             self._counters.restore(decoded.counters)
             self._data = queue
             self._state = ShardState.READY

@@ -84,6 +84,7 @@ class PSClient:
         """The shortest lease the shards granted at registration (0: no leases)."""
         self.resume_data: dict[str, int] = {}
         """This worker's progress as the shards last recorded it (empty for a new worker)."""
+        self._registrations = 0
         self.fenced = threading.Event()
         """Set when a shard says this worker's registration is void (evicted): re-register."""
         self._heartbeat_stop = threading.Event()
@@ -170,6 +171,7 @@ class PSClient:
             return True
 
         initialised = any(self._fan_out(one, range(self.num_shards)))
+        self._registrations += 1
         self.fenced.clear()
         self.resume_data = max(positions, key=lambda d: d["step"], default={})
         self.lease_seconds = min((lease for lease in leases if lease > 0), default=0.0)
@@ -421,16 +423,18 @@ class PSClient:
         """One exchange with the job's data queue on shard 0 (``psworker.elastic``): report
         ``finished`` tasks, lease up to ``want`` more. Returns the generation of the registration
         it was made under, and the reply."""
-        session = self._require_sessions()[0]
+        registration = self._registrations  # before the credentials: a race labels new leases old, and
+        session = self._require_sessions()[0]  # the next reply, which names every task held, relabels them
         request = ps_pb2.DataRequest(
             worker_id=session.worker_id, generation=session.generation, session=session.secret, plan=plan,
             finished=finished, want=want,
         )
-        return session.generation, session.client.data(request)
+        return registration, session.client.data(request)
 
-    def generation(self) -> int:
-        """This worker's generation on shard 0 (it changes when the worker registers again)."""
-        return self._require_sessions()[0].generation
+    def registration(self) -> int:
+        """How many times this client has registered: it changes with every registration, where
+        a shard's generation may repeat one given out before a restore from a checkpoint."""
+        return self._registrations
 
     def status(self) -> list[ps_pb2.StatusResponse]:
         return self._fan_out(lambda c: c.status(), self._clients)

@@ -62,10 +62,11 @@ def default_task_size(batch_size: int) -> int:
 
 @dataclass(frozen=True)
 class Lease:
-    """A data task leased to this worker's registration ``generation`` (on shard 0)."""
+    """A data task leased to this worker's ``registration`` (``PSClient.registration()``): a
+    task leased before the worker registered again went back to the queue."""
 
     task: DataTask
-    generation: int
+    registration: int
 
 
 class DataFeed:
@@ -122,9 +123,9 @@ class DataFeed:
         waited_from = None
         try:
             while stop is None or not stop.is_set():
-                generation = self._session.client.generation()
+                registration = self._session.client.registration()
                 with self._lock:
-                    stale = [lease for lease in self._ready if lease.generation != generation]
+                    stale = [lease for lease in self._ready if lease.registration != registration]
                     for lease in stale:  # they went back to the queue when this worker re-registered
                         self._ready.remove(lease)
                         self._held.discard(lease)
@@ -232,11 +233,11 @@ class DataFeed:
         Returns the queue's status, or None when this worker was fenced (its tasks went back;
         it must re-register)."""
         with self._exchanging:
-            generation = self._session.client.generation()
+            registration = self._session.client.registration()
             with self._lock:
                 want = max(0, target - len(self._ready))
-                dropped = [r for r in self._reports if r[0].generation != generation]
-                self._reports = [r for r in self._reports if r[0].generation == generation]
+                dropped = [r for r in self._reports if r[0].registration != registration]
+                self._reports = [r for r in self._reports if r[0].registration == registration]
                 sent = list(self._reports)
                 for lease, _ in dropped:  # given back when this worker re-registered
                     self._held.discard(lease)
@@ -245,7 +246,7 @@ class DataFeed:
             refused: list[tuple[Lease, int]] = []
             try:
                 try:
-                    generation, reply = self._session.client.data(
+                    registration, reply = self._session.client.data(
                         data_plan_to_proto(self.plan), [data_task_to_proto(lease.task, n) for lease, n in sent],
                         want,
                     )
@@ -260,7 +261,7 @@ class DataFeed:
                     refused, sent = sent, []
                     with self._lock:
                         self._reports = [r for r in self._reports if r not in refused]
-                    generation, reply = self._session.client.data(data_plan_to_proto(self.plan), [], want)
+                    registration, reply = self._session.client.data(data_plan_to_proto(self.plan), [], want)
             except errors.FencedError as exc:
                 log.warning("%s: the data queue fenced this worker off (%s); its tasks went back",
                             self._session.worker_name, exc)
@@ -272,14 +273,14 @@ class DataFeed:
             with self._lock:
                 self._reports = [r for r in self._reports if r not in sent]
                 self._held -= {lease for lease, _ in sent}
-                held = {Lease(DataTask(t.epoch, t.start, t.end), generation) for t in reply.tasks}
+                held = {Lease(DataTask(t.epoch, t.start, t.end), registration) for t in reply.tasks}
                 for lease, trained in refused:
                     if lease in held:
                         self._reports.append((lease, trained))
                     else:
                         self._held.discard(lease)
                 for proto in reply.tasks:
-                    lease = Lease(DataTask(proto.epoch, proto.start, proto.end), generation)
+                    lease = Lease(DataTask(proto.epoch, proto.start, proto.end), registration)
                     if lease not in self._held:
                         self._held.add(lease)
                         self._ready.append(lease)
@@ -367,7 +368,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             with self._lock:
                 self._taken.append((lease, steps))
             for index in self._order[1][task.start:task.end].tolist():
-                if self.session.client.generation() != lease.generation:
+                if self.session.client.registration() != lease.registration:
                     with self._lock:  # fenced and registered again: the task went back to the queue
                         self._taken = [(held, taken) for held, taken in self._taken if held != lease]
                     break
@@ -384,11 +385,11 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
     def _confirm(self, *, everything: bool) -> None:
         # Report the tasks whose every index is trained (``everything``: every task taken whole).
-        generation = self.session.client.generation()
+        registration = self.session.client.registration()
         with self._lock:
             keep = []
             for lease, steps in self._taken:
-                if lease.generation != generation:
+                if lease.registration != registration:
                     continue  # went back to the queue when this worker was fenced
                 whole = len(steps) == lease.task.size
                 if whole and (everything or self._trained(steps) == lease.task.size):
@@ -398,10 +399,10 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             self._taken = keep
 
     def _close(self) -> None:
-        generation = self.session.client.generation()
+        registration = self.session.client.registration()
         with self._lock:
             taken, self._taken = self._taken, []
-        current = [(lease, self._trained(steps)) for lease, steps in taken if lease.generation == generation]
+        current = [(lease, self._trained(steps)) for lease, steps in taken if lease.registration == registration]
         for lease, trained in current[:-1]:
             self.feed.finish(lease, trained)
         self.feed.close(current=current[-1] if current else None)

@@ -320,7 +320,7 @@ def _train_tasks(feed: DataFeed, session, batch_size: int, train_step, stop: thr
             if stop is not None and stop.is_set():
                 return True
             train_step(indices[offset:offset + batch_size])
-            if session.client.generation() != lease.generation:
+            if session.client.registration() != lease.registration:
                 # Fenced and registered again during the step: the task went back to the queue.
                 log.warning("%s: %s went back to the queue when this worker was fenced; taking the next",
                             name, task)
