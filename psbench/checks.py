@@ -9,6 +9,7 @@ measured one stands in and the check's ``detail`` says which.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -22,9 +23,9 @@ class Check:
     id: str
     name: str
     value: float | None
-    """The measured ratio (or bytes, for memory)."""
+    """The measured ratio (or bytes, for memory; points, for accuracy)."""
     comparison: str
-    """``>=`` or ``<=``: how ``value`` must compare to ``threshold`` to pass."""
+    """``>=``, ``<=`` or ``<``: how ``value`` must compare to ``threshold`` to pass."""
     threshold: float | None
     passed: bool | None
     detail: str
@@ -33,11 +34,13 @@ class Check:
         return asdict(self)
 
 
+_COMPARISONS = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
+
+
 def _check(id: str, name: str, value: float | None, comparison: str, threshold: float | None, detail: str) -> Check:
     if value is None or threshold is None:
         return Check(id, name, value, comparison, threshold, None, detail or "not measured in this run")
-    passed = value >= threshold if comparison == ">=" else value <= threshold
-    return Check(id, name, value, comparison, threshold, passed, detail)
+    return Check(id, name, value, comparison, threshold, _COMPARISONS[comparison](value, threshold), detail)
 
 
 def _goodput(results: dict, shards: int) -> dict[int, dict]:
@@ -137,6 +140,45 @@ def _metrics(results: dict, models: tuple[tuple[int, str], ...] = ((15_210, "15K
     return _check("7", name, min(r["ratio"] for r in runs), ">=", 0.97, "; ".join(details))
 
 
+def _elastic_throughput(results: dict, params: int = 15_210) -> Check:
+    name = "training 15K MLP, dynamic data >= 0.97 x static split"
+    run = (results.get("elastic") or {}).get("throughput")
+    if not run:
+        return _check("8", name, None, ">=", 0.97, "")
+    detail = (f"{run['dynamic_steps_per_second']:.0f} / {run['static_steps_per_second']:.0f} steps/s, "
+              f"{run['shards']} shards x {run['workers']} workers")
+    if abs(run["parameters"] - params) > params // 10:
+        detail += f" (at {run['parameters']} parameters)"
+    return _check("8", name, run["ratio"], ">=", 0.97, detail)
+
+
+def _elastic_accuracy(results: dict) -> Check:
+    accuracy = (results.get("elastic") or {}).get("accuracy")
+    workers = accuracy["workers"] if accuracy else 4
+    name = f"mnist1d-cnn accuracy, {workers} dynamic vs {workers} static workers: |difference| <= 1.5 points"
+    if not accuracy:
+        return _check("8b", name, None, "<=", 1.5, "")
+
+    def side(figures: dict) -> str:
+        std = f" +- {figures['std']:.3f}" if figures["std"] is not None else ""
+        return f"{figures['mean']:.3f}{std}"
+
+    detail = (f"dynamic {side(accuracy['dynamic'])} vs static {side(accuracy['static'])}, "
+              f"{accuracy['runs']} run(s) each of a {accuracy['job_steps']}-step job")
+    return _check("8b", name, abs(accuracy["difference_points"]), "<=", 1.5, detail)
+
+
+def _elastic_scaling(results: dict) -> Check:
+    scaling = (results.get("elastic") or {}).get("scaling")
+    more, fewer = (scaling["workers"], scaling["fewer"]) if scaling else (4, 2)
+    name = f"job time, {more} dynamic workers < 1 x {fewer}"
+    if not scaling:
+        return _check("8c", name, None, "<", 1.0, "")
+    detail = (f"{scaling['seconds']:.1f} / {scaling['fewer_seconds']:.1f} s, first step to last "
+              f"({scaling['job_steps']}-step job)")
+    return _check("8c", name, scaling["ratio"], "<", 1.0, detail)
+
+
 _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _tcp_ratio,
     lambda r: _size_ratio(r, 1, "2"),
@@ -148,6 +190,9 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _memory,
     _tls,
     _metrics,
+    _elastic_throughput,
+    _elastic_accuracy,
+    _elastic_scaling,
 )
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from pswire.flags import add_fields, parse
 
-__all__ = ["SECTIONS", "BenchConfig", "Plan", "TrainingCase", "parse_args", "training_case"]
+__all__ = ["SECTIONS", "BenchConfig", "ElasticJob", "Plan", "TrainingCase", "parse_args", "training_case"]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic")
 """Every section, in the order they run."""
 
 _NEEDS_BASELINES = ("goodput", "latency")
@@ -23,7 +23,10 @@ METRICS_RUN_FACTOR = 5
 """How many times a training run's worker steps the metrics section's runs take: scraped once a
 second, a run must last several seconds for the scrapes to weigh as they would (the training
 section's runs of the 15K and 4.3M MLPs now last 1-1.5 s: its step estimates, below, date from
-before the bulk lanes)."""
+before the bulk lanes). The elastic section's throughput runs take as many, for a second reason:
+the workers' start-ups differ by some tenths of a second, and over a short run that skew weighs
+on a sum of the workers' throughputs differently with a static split (both workers train alone
+for a while) than with dynamic data (only the first does)."""
 
 
 def _f(default, help: str):
@@ -48,11 +51,12 @@ class BenchConfig:
     only: str = _f("", "Run only these sections, comma-separated, of: " + ", ".join(SECTIONS)
                    + ". goodput and latency bring baselines along (their ratios need it).")
     reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 5 for transfers "
-                          "and for metrics' pairs, 3 for training; --quick: 2, 1 and 1).")
+                          "and for metrics' and elastic's throughput pairs, 3 for training and for elastic's "
+                          "mnist1d-cnn jobs; --quick: 2 for transfers, else 1).")
     sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4). "
                     "tls measures the one nearest 64.")
     widths: str = _f("", "Hidden widths of the training MLPs, comma-separated (default: 100,1024,2048; --quick: 100). "
-                     "tls trains the widest; metrics the narrowest and the widest.")
+                     "tls trains the widest; metrics the narrowest and the widest; elastic the narrowest.")
     latency_calls: int | None = _f(None, "Timed calls per latency figure (default: 1000; --quick: 100).")
     keep_logs: str | None = _f(None, "Keep every child process's log in this directory (default: a temporary "
                                "one, removed).")
@@ -83,6 +87,7 @@ class BenchConfig:
         quick = self.quick
         widths = _ints(self.widths, "--widths") if self.widths else ((100,) if quick else (100, 1024, 2048))
         sizes = tuple(sorted(_ints(self.sizes, "--sizes") if self.sizes else ((1, 4) if quick else (4, 64, 256))))
+        narrowest = training_case(min(widths), quick=quick)
         return Plan(
             sections=tuple(s for s in SECTIONS if s in wanted),
             quick=quick,
@@ -107,6 +112,12 @@ class BenchConfig:
                 for case in (training_case(w, quick=quick) for w in sorted({min(widths), max(widths)}))
             ),
             metrics_reps=self.reps or (1 if quick else 5),
+            # Dynamic data against the static split on the smallest model (calls dominate: the
+            # data exchanges weigh most), and the elastic job.
+            elastic_training=replace(narrowest,
+                                     worker_steps=narrowest.worker_steps * (1 if quick else METRICS_RUN_FACTOR)),
+            elastic_reps=self.reps or (1 if quick else 5),
+            elastic_job=replace(QUICK_ELASTIC_JOB if quick else ELASTIC_JOB, runs=self.reps or (1 if quick else 3)),
         )
 
 
@@ -153,6 +164,40 @@ def training_case(width: int, *, quick: bool = False, wire_dtype: str = "none") 
 
 
 @dataclass(frozen=True, kw_only=True)
+class ElasticJob:
+    """The elastic section's mnist1d-cnn job (``psbench.tasks:mnist1d_cnn``, batch 100, Adam at
+    ``lr``): trained ``runs`` times each by ``workers`` static workers, by ``workers`` dynamic
+    ones and by ``fewer`` dynamic ones, on ``shards`` shards."""
+
+    steps: int
+    """The job's length in steps across all its workers (a multiple of ``workers``: each static
+    worker trains ``steps / workers``)."""
+    workers: int
+    fewer: int
+    runs: int
+    shards: int = 1
+    """The CNN has 5K parameters: one shard holds it, and leaves the workers more of the cores."""
+    lr: float = 5e-3
+    """Half the task's 1e-2, which suits 2 async workers (gradients about 1 step stale): with 4
+    on 2 cores (3 steps stale, more when a worker loses its core for a while) 2400-step runs at
+    1e-2 ended anywhere from 0.93 down to 0.58 with either split, and one of about 25 never
+    learned (accuracy 0.09: all ReLUs dead); at 5e-3 they end at 0.91-0.94."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.fewer < self.workers or self.runs < 1 or self.shards < 1 or not self.lr > 0:
+            raise ValueError(f"need 1 <= fewer < workers, runs >= 1, shards >= 1 and lr > 0: {self}")
+        if self.steps < self.workers or self.steps % self.workers:
+            raise ValueError(f"steps ({self.steps}) must be a positive multiple of workers ({self.workers})")
+
+
+# The CNN's test accuracy settles at 0.91-0.93 after about 2500 steps of a 2-worker job (its
+# note in psworker.tasks); 2400 steps reach that band with 4 workers too (at ElasticJob.lr), in
+# 5-10 s of training on 2 cores, so the 9 jobs take 2-3 minutes with start-ups.
+ELASTIC_JOB = ElasticJob(steps=2400, workers=4, fewer=2, runs=3)
+QUICK_ELASTIC_JOB = ElasticJob(steps=100, workers=2, fewer=1, runs=1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Everything a run does, resolved from :class:`BenchConfig`."""
 
@@ -178,6 +223,11 @@ class Plan:
     """The models trained with metrics on and off: the narrowest and the widest."""
     metrics_reps: int
     """Pairs of cluster runs (metrics off, on) per model."""
+    elastic_training: TrainingCase
+    """The model trained with dynamic data and with the static split: the narrowest."""
+    elastic_reps: int
+    """Pairs of cluster runs (static, dynamic) of ``elastic_training``."""
+    elastic_job: ElasticJob
 
     def to_dict(self) -> dict:
         return {
@@ -189,6 +239,8 @@ class Plan:
             "training": [_case_dict(c) for c in self.training],
             "tls_size_mib": self.tls_size_mib, "tls_training": _case_dict(self.tls_training),
             "metrics_training": [_case_dict(c) for c in self.metrics_training], "metrics_reps": self.metrics_reps,
+            "elastic_training": _case_dict(self.elastic_training), "elastic_reps": self.elastic_reps,
+            "elastic_job": asdict(self.elastic_job),
         }
 
 
@@ -205,7 +257,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         prog="psbench",
         description="Measure the parameter server against its limits on this machine (loopback): "
         "baselines (raw TCP, bare gRPC, local training), PS goodput, small-call latency, "
-        "training throughput, shard memory, and the cost of TLS and of metrics. Prints a table and writes JSON.",
+        "training throughput, shard memory, the cost of TLS and of metrics, and dynamic data (elastic workers) "
+        "against the static split. Prints a table and writes JSON.",
         epilog="Every flag can also be set as PSBENCH_<FLAG> (e.g. PSBENCH_REPS=3); flags win.",
     )
     add_fields(parser, BenchConfig)

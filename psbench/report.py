@@ -8,6 +8,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from psbench.stats import median
+
 __all__ = ["render", "write_json"]
 
 MIB = 1 << 20
@@ -182,6 +184,48 @@ def _metrics(metrics: dict) -> list[str]:
     return lines
 
 
+def _elastic(elastic: dict) -> list[str]:
+    rows = []
+    throughput = elastic.get("throughput")
+    if throughput:
+        rows += [
+            [f"training W={throughput['width']} ({throughput['parameters']:,} parameters), "
+             f"{throughput['shards']} shards x {throughput['workers']} workers, steps/s",
+             f"{throughput['static_steps_per_second']:,.0f}",
+             f"{throughput['dynamic_steps_per_second']:,.0f}", _ratio(throughput["ratio"])],
+            ["  with the wait at the job's end counted", "",
+             f"{median(throughput['dynamic_reps_with_end_wait']):,.0f}", _ratio(throughput["ratio_with_end_wait"])],
+            ["  samples/s as the workers report them (medians)", f"{throughput['static_samples_per_second']:,.0f}",
+             f"{throughput['dynamic_samples_per_second']:,.0f}",
+             _ratio(throughput["dynamic_samples_per_second"] / throughput["static_samples_per_second"])],
+        ]
+    accuracy = elastic.get("accuracy")
+    if accuracy:
+        def side(figures: dict) -> str:
+            std = f" +- {figures['std']:.3f}" if figures["std"] is not None else ""
+            return f"{figures['mean']:.3f}{std} ({figures['min']:.3f}-{figures['max']:.3f})"
+
+        rows.append([f"{accuracy['task']} test accuracy, {accuracy['shards']} shard x {accuracy['workers']} workers, "
+                     f"{accuracy['job_steps']}-step job, {accuracy['runs']} run(s): mean +- std (min-max)",
+                     side(accuracy["static"]), side(accuracy["dynamic"]),
+                     f"{accuracy['difference_points']:+.2f} points"])
+    scaling = elastic.get("scaling")
+    if scaling:
+        rows.append([f"  job time, first step to last, {scaling['workers']} workers (medians)",
+                     f"{scaling['static_seconds']:.1f} s", f"{scaling['seconds']:.1f} s",
+                     _ratio(scaling["static_seconds"] and scaling["seconds"] / scaling["static_seconds"])])
+    lines = ["Dynamic data (elastic workers) against the static split, alternated in one run; dynamic / static: "
+             "median over repetitions of each pair (steps/s: each worker's steps over its training time, less a "
+             "dynamic worker's wait for the others at the job's end)",
+             *_table(["figure", "static", "dynamic", "dynamic / static"], rows)]
+    if scaling:
+        lines.append(f"scaling: the {scaling['job_steps']}-step job with {scaling['workers']} dynamic workers "
+                     f"{scaling['seconds']:.1f} s, with {scaling['fewer']} {scaling['fewer_seconds']:.1f} s, first "
+                     f"step to last: {scaling['workers']} / {scaling['fewer']} = {_ratio(scaling['ratio'])} "
+                     f"({_ratio(scaling['wall_ratio'])} with start-ups and evaluation)")
+    return lines
+
+
 def _checks(checks: list[dict]) -> list[str]:
     def verdict(c: dict) -> str:
         return {True: "PASS", False: "FAIL", None: "n/a"}[c["passed"]]
@@ -217,7 +261,7 @@ def render(doc: dict) -> str:
                      + (f" with {len(modified)} modified product file(s): {', '.join(modified)}" if modified else ""))
     for key, render_section in (("baselines", _baselines), ("goodput", _goodput), ("latency", _latency),
                                 ("training", _training), ("memory", _memory), ("tls", _tls),
-                                ("metrics", _metrics)):
+                                ("metrics", _metrics), ("elastic", _elastic)):
         if doc.get(key):
             lines += ["", *render_section(doc[key])]
     lines += ["", *_checks(doc["checks"])]

@@ -159,6 +159,13 @@ class _Run:
         return {"training": [measure_metrics_training(self.children, case, reps=self.plan.metrics_reps).to_dict()
                              for case in self.plan.metrics_training]}
 
+    def elastic(self) -> dict:
+        from psbench.elastic import measure_elastic_jobs, measure_elastic_throughput
+
+        self._training_data()
+        throughput = measure_elastic_throughput(self.children, self.plan.elastic_training, reps=self.plan.elastic_reps)
+        return {"throughput": throughput.to_dict(), **measure_elastic_jobs(self.children, self.plan.elastic_job)}
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _training_data(self) -> None:
@@ -214,7 +221,7 @@ def run(plan: Plan, workdir: Path) -> dict:
         runner = _Run(plan, children, data_path)
         bodies = {"baselines": runner.baselines, "goodput": runner.goodput_section, "latency": runner.latency,
                   "training": runner.training, "memory": runner.memory, "tls": runner.tls,
-                  "metrics": runner.metrics}
+                  "metrics": runner.metrics, "elastic": runner.elastic}
         try:
             for name in plan.sections:
                 runner.section(name, bodies[name])

@@ -1,5 +1,6 @@
 """The benchmark's training tasks: MNIST-1D MLPs ``40 -> W -> W -> 10`` (ReLU), loadable by any
-worker as a user task, e.g. ``psworker --task psbench.tasks:mlp1024``.
+worker as a user task, e.g. ``psworker --task psbench.tasks:mlp1024``, and psworker's built-in
+``mnist1d-cnn`` as ``psbench.tasks:mnist1d_cnn`` (for the elastic section).
 
 Three widths span the regimes that limit a parameter server differently: at W=100 (about 15K
 parameters) a step is almost all per-call overhead, at W=2048 (about 4.3M parameters, 17 MiB)
@@ -20,9 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from psworker.tasks import Task, TaskDefaults, _mnist1d_arrays
+from psworker.tasks import Task, TaskDefaults, _mnist1d_arrays, _MnistCnn
 
-__all__ = ["DATA_ENV", "WIDTHS", "build_mlp", "mlp100", "mlp1024", "mlp2048", "save_mnist1d"]
+__all__ = ["CNN_DEFAULTS", "DATA_ENV", "WIDTHS", "build_mlp", "mlp100", "mlp1024", "mlp2048", "mnist1d_cnn",
+           "save_mnist1d"]
 
 DATA_ENV = "PSBENCH_MNIST1D"
 """Environment variable naming an ``.npz`` of the MNIST-1D arrays written by :func:`save_mnist1d`."""
@@ -36,6 +38,9 @@ _DTYPES = {"x": np.float32, "y": np.int64, "x_test": np.float32, "y_test": np.in
 # SGD keeps the shard's apply cheap (no optimizer state), so the figures measure the transport
 # and the training loop, not Adam's arithmetic. Plain SGD at 0.05 trains these MLPs stably.
 _DEFAULTS = TaskDefaults(optimizer="sgd", lr=0.05, batch_size=64, steps=2000)
+
+CNN_DEFAULTS = TaskDefaults(optimizer="adam", lr=1e-2, batch_size=100, steps=6000)
+"""psworker's ``mnist1d-cnn`` defaults (``psworker.tasks``; a test holds the two equal)."""
 
 
 def save_mnist1d(path: str | os.PathLike) -> Path:
@@ -94,3 +99,12 @@ def mlp1024(seed: int = 0) -> Task:
 def mlp2048(seed: int = 0) -> Task:
     """About 4.3M parameters (17 MiB): bytes on the wire dominate."""
     return _task(2048)
+
+
+def mnist1d_cnn(seed: int = 0) -> Task:
+    """psworker's built-in ``mnist1d-cnn``, the same model, weights, data and defaults, on the
+    arrays psbench cached: workers start without generating MNIST-1D."""
+    model = _MnistCnn()  # first, as the built-in does: the seeded RNG gives the same weights
+    x, y, x_test, y_test = (torch.from_numpy(np.array(a)) for a in _load_arrays())
+    return Task(name="mnist1d-cnn", model=model, train=(x, y), test=(x_test, y_test),
+                loss_fn=nn.functional.cross_entropy, defaults=CNN_DEFAULTS)

@@ -20,7 +20,7 @@ from psbench.procs import Child, Children
 from psbench.ps import start_shards
 from psbench.stats import median
 
-__all__ = ["TrainingResult", "measure_training", "run_cluster", "run_local"]
+__all__ = ["TrainingResult", "measure_training", "run_cluster", "run_local", "worker_result"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class TrainingResult:
         }
 
 
-def _result(child: Child, timeout: float) -> dict:
+def worker_result(child: Child, timeout: float) -> dict:
     """The worker's one-line JSON result; raises ``ChildError`` if it failed or printed none."""
     code = child.wait(timeout)
     if code != 0:
@@ -92,7 +92,8 @@ def _result(child: Child, timeout: float) -> dict:
         result = json.loads(lines[-1])
     except json.JSONDecodeError as exc:
         raise child.failure(f"printed a result line that is not JSON ({exc})") from None
-    if not result.get("samples_per_second", 0) > 0:
+    # A dynamic-data worker that started last may find every task of a short job taken.
+    if not result.get("samples_per_second", 0) > 0 and "data" not in result:
         raise child.failure(f"reported no throughput: {lines[-1][:300]}")
     return result
 
@@ -104,33 +105,40 @@ def run_local(children: Children, case: TrainingCase, *, timeout: float) -> dict
         *_COMMON, separate_stdout=True,
     )
     try:
-        return _result(child, timeout)
+        return worker_result(child, timeout)
     finally:
         children.stop(child)
 
 
 def run_cluster(
     children: Children, case: TrainingCase, ps: str, *, workers: int, timeout: float, run: int = 0,
-    extra: Sequence[str] = (), started: Callable[[Child], None] | None = None,
+    extra: Sequence[str] = (), started: Callable[[Child], None] | None = None, dynamic: bool = False,
 ) -> list[dict]:
     """``workers`` async workers started together against the shards at ``ps``, with ``extra``
     flags (``--tls-ca ...``); ``started`` is told of each worker as it starts. Returns every
     worker's result line. Raises ``ChildError`` when a worker fails or runs past ``timeout``.
+
+    Each worker trains ``case.worker_steps`` steps of its slice of a static split, or with
+    ``dynamic`` the workers have no index and lease the job's data (``psworker.elastic``) from
+    shard 0 until the job, ``workers * case.worker_steps`` steps long, is done: the same examples
+    in all. A job's data queue, once done, stays done: dynamic runs need shards of their own.
 
     Worker names carry ``run``: a worker joining under a name the shards know resumes that
     worker's recorded progress, and one that had finished would have no steps left to time."""
     running: list[Child] = []
     try:
         for i in range(workers):
+            place = (("--steps", str(case.worker_steps * workers)) if dynamic else
+                     ("--worker-index", str(i), "--num-workers", str(workers), "--steps", str(case.worker_steps)))
             running.append(children.start_module(
-                f"worker{i}-mlp{case.width}", "psworker", "--ps", ps, "--task", case.task,
-                "--worker-index", str(i), "--num-workers", str(workers), "--steps", str(case.worker_steps),
+                f"worker{i}-mlp{case.width}{'-dynamic' if dynamic else ''}", "psworker", "--ps", ps,
+                "--task", case.task, *place,
                 "--worker-name", f"psbench-run{run}-{case.wire_dtype}-worker{i}", "--wire-dtype", case.wire_dtype,
                 *_COMMON, *extra, separate_stdout=True,
             ))
             if started is not None:
                 started(running[-1])
-        return [_result(child, timeout) for child in running]
+        return [worker_result(child, timeout) for child in running]
     finally:
         for child in running:
             children.stop(child)

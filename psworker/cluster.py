@@ -14,6 +14,13 @@ re-registers and resumes from the data position the shards recorded for it. A wo
 directory; ``--auth`` makes them check tokens, fresh ones written there too (workers get theirs
 through the environment, never on a command line). The two go together or alone.
 
+``--elastic`` starts the workers as identical dynamic-data workers (no ``--worker-index``; named
+worker-0, worker-1 ... so that logs and restarts stay readable): they lease the job's data in
+data tasks from shard 0 (``psworker.elastic``), so a fast worker trains more of it than a slow
+one, and ``--steps``/``--epochs`` are the job's length across all of them. The summary then
+adds the job's data queue as shard 0 reports it at the end (``data``); each worker's steps
+(``worker_steps``, in every summary) differ.
+
 ``--metrics`` starts every shard and worker with ``--metrics-port 0`` and logs the address each
 one reports (``metrics on http://HOST:PORT/metrics``); ``--metrics-sd-file F`` (which implies
 it) keeps F a Prometheus file-based service discovery file listing them (``docs/metrics.md``),
@@ -41,13 +48,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pswire.flags import values_from
 from pswire.security import TOKEN_ENV, ClientSecurity, make_dev_pki, write_private_file
-from psworker.config import build_parser
+from psworker.config import WorkerConfig, build_parser
 
 if TYPE_CHECKING:
     from psserver.config import ServerConfig
+    from pswire.v1 import ps_pb2
+    from psworker.client import ClientOptions
 
-__all__ = ["Action", "decide_exit", "main"]
+__all__ = ["Action", "data_summary", "decide_exit", "main"]
 
 log = logging.getLogger("pscluster")
 
@@ -55,6 +65,8 @@ log = logging.getLogger("pscluster")
 _WORKER_STARTED = re.compile(r"\b(?:starts|resumes) at step (\d+)")
 # pscluster sets these itself; a second value would split the job.
 _RESERVED_WORKER_FLAGS = {"--ps", "--worker-index", "--num-workers", "--task", "--local", "--worker-name"}
+# With --elastic the workers have no index: the data queue hands out their data.
+_STATIC_SPLIT_FLAGS = {"--worker-index", "--num-workers"}
 _RESERVED_SHARD_FLAGS = {"--host", "--port", "--port-file", "--shard-index", "--num-shards", "--restore"}
 _TLS_WORKER_FLAGS = {"--tls-ca", "--tls-cert", "--tls-key"}
 _TLS_SHARD_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca"}
@@ -199,11 +211,21 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         help="seconds for a shard to start listening, also after a restart (default: 120)")
     parser.add_argument("--shard-arg", action="append", default=[],
                         help="extra psserver flag, repeatable (e.g. --shard-arg=--threads=8)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="dynamic data: start the workers as identical workers without --worker-index "
+                        "(named worker-0, worker-1 ...), each leasing data tasks (--data-task-size examples, "
+                        "default about 256) from the job's data queue on shard 0 until the job's data is done, "
+                        "so faster workers train more of it. --steps/--epochs are then the job's length across "
+                        "all workers (default: the task's job steps), not each worker's. The summary adds the "
+                        "queue's final state (\"data\"); each worker's steps (\"worker_steps\") differ. Without "
+                        "it, worker I of M trains a fixed slice for its own --steps (default: the task's "
+                        "job steps / M)")
     parser.add_argument("--restart", action="store_true",
                         help="restart a shard or worker that dies (non-zero exit or a signal) instead of "
                         "stopping the cluster: a shard on the same port with --restore from the newest "
                         "complete checkpoint, a worker with the same flags, so it re-registers and resumes "
-                        "from its saved data position. Off by default")
+                        "from its saved data position (with --elastic: the data tasks it held went back to "
+                        "the queue, and it leases tasks again). Off by default")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="with --restart, restarts allowed per shard or worker (default: 3)")
     parser.add_argument("--checkpoint-every", default="5s",
@@ -245,15 +267,19 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
         {"--token-file"} if args.auth else set()) | metrics_reserved
     shard_reserved = _RESERVED_SHARD_FLAGS | (_TLS_SHARD_FLAGS if args.tls else set()) | (
         {"--auth-token-file"} if args.auth else set()) | metrics_reserved
+    if args.elastic and (split := [a for a in worker_args if a.split("=")[0] in _STATIC_SPLIT_FLAGS]):
+        parser.error(f"--elastic workers have no static split: leave out {', '.join(split)}")
     clash = [a for a in worker_args if a.split("=")[0] in worker_reserved]
     clash += [a for a in args.shard_arg if a.split("=")[0] in shard_reserved]
     if clash:
         parser.error(f"pscluster sets {', '.join(clash)} itself")
-    # Validate the worker and shard flags now, not in M or N failing children.
-    worker = build_parser("pscluster (worker flags)").parse_args(
-        [*worker_args, "--ps", "127.0.0.1:1", "--task", args.task, *_metrics_flags(args)]
-    )
-    args.seed = worker.seed or 0  # the final evaluation builds the task with the workers' seed
+    # Validate the worker and shard flags now, as the first worker will read them (its
+    # identity included: --data-task-size is for --elastic only), not in M or N failing children.
+    worker_parser = build_parser("pscluster (worker flags)")
+    worker = values_from(WorkerConfig, worker_parser, worker_parser.parse_args(
+        [*worker_args, "--ps", "127.0.0.1:1", "--task", args.task, *_identity_flags(args, 0), *_metrics_flags(args)]
+    ), os.environ, "PSWORKER")
+    args.seed = worker.seed  # the final evaluation builds the task with the workers' seed
     _shard_config(args, Path("<run directory>"))
     return args, worker_args
 
@@ -270,6 +296,14 @@ def _shard_config(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, st
         env.setdefault("PSSERVER_CHECKPOINT_DIR", str(run_dir / "checkpoints"))
         env.setdefault("PSSERVER_CHECKPOINT_EVERY", args.checkpoint_every)
     return env, parse_shard_args([*args.shard_arg, *_metrics_flags(args)], env)
+
+
+def _identity_flags(args: argparse.Namespace, i: int) -> list[str]:
+    """Worker ``i``'s place in the job: a slice of a static split, or with ``--elastic`` only a
+    name (a dynamic worker's default, <host>-<pid>, would change with every restart)."""
+    if args.elastic:
+        return ["--worker-name", f"worker-{i}"]
+    return ["--worker-index", str(i), "--num-workers", str(args.workers)]
 
 
 def _metrics_flags(args: argparse.Namespace) -> list[str]:
@@ -432,9 +466,8 @@ class _Cluster:
 
     def _worker_argv(self, i: int) -> list[str]:
         return [sys.executable, "-m", "psworker", "--ps", self.ps, "--task", self.args.task,
-                "--worker-index", str(i), "--num-workers", str(self.args.workers),
-                "--progress", "log", "--threads", str(self.threads), *self.credentials.worker_args,
-                *_metrics_flags(self.args), *self.worker_args]
+                *_identity_flags(self.args, i), "--progress", "log", "--threads", str(self.threads),
+                *self.credentials.worker_args, *_metrics_flags(self.args), *self.worker_args]
 
     def _proc(self, role: str, index: int, argv: list[str], env: dict[str, str],
               ready: re.Pattern | None = None) -> _Proc:
@@ -477,9 +510,11 @@ class _Cluster:
                         child.restarts, self.args.max_restarts, how)
             child.proc = self._proc("shard", child.index, self._shard_argv(child.index, restore), self.env)
         else:
+            how = ("the data tasks it held went back to the queue, and it leases tasks again" if self.args.elastic
+                   else "resumes from the data position the shards recorded")
             log.warning("%s (pid %d) died: %s; restarting it (restart %d of %d) with the same flags: it "
-                        "re-registers and resumes from the data position the shards recorded", child.name,
-                        old_pid, reason, child.restarts, self.args.max_restarts)
+                        "re-registers and %s", child.name, old_pid, reason, child.restarts,
+                        self.args.max_restarts, how)
             child.proc = self._proc("worker", child.index, self._worker_argv(child.index), self.worker_env,
                                     _WORKER_STARTED)
         child.recovering = _Recovery(child.name, reason, old_pid, child.proc.popen.pid, died_at)
@@ -503,9 +538,13 @@ class _Cluster:
             if match is None or ready_at is None:
                 return
             recovery.recovered_seconds = round(ready_at - recovery.died_at, 3)
-            recovery.resumed_at_step = int(match.group(1))
-            log.warning("%s recovered in %.2fs: re-registered and goes on at step %d (pid %d)", child.name,
-                        recovery.recovered_seconds, recovery.resumed_at_step, recovery.new_pid)
+            if self.args.elastic:  # it starts at step 1 of whatever tasks it leases now
+                log.warning("%s recovered in %.2fs: re-registered and leases data tasks again (pid %d)",
+                            child.name, recovery.recovered_seconds, recovery.new_pid)
+            else:
+                recovery.resumed_at_step = int(match.group(1))
+                log.warning("%s recovered in %.2fs: re-registered and goes on at step %d (pid %d)", child.name,
+                            recovery.recovered_seconds, recovery.resumed_at_step, recovery.new_pid)
         child.recovering = None
 
     def watch(self, interrupted: threading.Event) -> bool:
@@ -540,6 +579,43 @@ class _Cluster:
             self.metrics.clear()
 
 
+def _queue(ps: str, options: ClientOptions) -> ps_pb2.DataQueueStatus:
+    """The job's data queue as shard 0 holds it."""
+    from psworker.client import PSClient
+
+    with PSClient(ps, options) as client:
+        client.wait_connected()
+        return client.status()[0].data
+
+
+def data_summary(results: Sequence[dict], queue: ps_pb2.DataQueueStatus) -> dict:
+    """What the summary says of an ``--elastic`` job's data: the queue's own count, which holds
+    every task reported (by workers that died and were restarted, too), beside the sums of the
+    workers' result lines, which count each last run of a worker only."""
+    data = [r.get("data") or {} for r in results]
+    return {
+        "mode": "dynamic",
+        "job": {"examples": queue.plan.examples, "task_size": queue.plan.task_size, "seed": queue.plan.seed,
+                "total": queue.plan.total},
+        "finished": queue.finished,
+        "examples_done": queue.examples_done,
+        "tasks_done": queue.tasks_done,
+        "tasks_requeued": queue.tasks_requeued,
+        "examples": sum(d.get("examples", 0) for d in data),
+        "tasks": sum(d.get("tasks", 0) for d in data),
+        "wait_seconds": round(sum(d.get("wait_seconds", 0.0) for d in data), 3),
+        "worker_examples": [d.get("examples", 0) for d in data],
+    }
+
+
+def _log_data(data: dict, names: Sequence[str]) -> None:
+    shares = ", ".join(f"{name} {n}" for name, n in zip(names, data["worker_examples"]))
+    how = log.info if data["finished"] and data["examples_done"] == data["job"]["total"] else log.warning
+    how("the job's data: %d of %d examples trained in %d tasks (%s finished); by worker: %s",
+        data["examples_done"], data["job"]["total"], data["tasks_done"],
+        "queue" if data["finished"] else "queue NOT", shares)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, worker_args = _parse(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -565,23 +641,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         from psworker.client import ClientOptions
         from psworker.training import evaluate_job  # imports torch: only once training is done
 
-        final = evaluate_job(cluster.ps, args.task, seed=args.seed,
-                             options=ClientOptions(security=cluster.credentials.evaluation))
+        options = ClientOptions(security=cluster.credentials.evaluation)
+        final = evaluate_job(cluster.ps, args.task, seed=args.seed, options=options)
         losses = [r["final_loss"] for r in results if r["final_loss"] is not None]
         summary = {
             "task": args.task,
             "mode": results[0]["mode"],
             "shards": args.shards,
             "workers": args.workers,
+            # The job's steps; each worker's are in worker_steps (with --elastic they differ).
             "steps": sum(r["steps"] for r in results),
+            "worker_steps": [r["steps"] for r in results],
             "samples": sum(r["samples"] for r in results),
             "seconds": round(seconds, 3),
             "samples_per_second": round(sum(r["samples"] for r in results) / seconds, 1),
             "final_loss": sum(losses) / len(losses) if losses else None,
             **final,
+            **({"data": data_summary(results, _queue(cluster.ps, options))} if args.elastic else {}),
             "restarts": [r.record() for r in cluster.recoveries],
             "per_worker": results,
         }
+        if args.elastic:
+            _log_data(summary["data"], [r["worker"] for r in results])
         print(json.dumps(summary), flush=True)
         return 0
     except KeyboardInterrupt:

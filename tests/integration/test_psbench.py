@@ -1,11 +1,13 @@
 """``psbench --quick`` runs every section against real processes, prints the table and writes a
-JSON document whose every figure is a positive finite number (CPU times may round to zero).
-Timings are not asserted: this machine's load decides them."""
+JSON document whose every figure is a positive finite number (CPU times may round to zero; a
+difference of means may have either sign). Timings are not asserted: this machine's load
+decides them."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -13,7 +15,7 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic")
 
 
 def _numbers(value, path: str):
@@ -34,12 +36,20 @@ def _plausible(path: str, n: float) -> bool:
     """Positive and finite; CPU times come in clock ticks (10 ms), so a quick run's few small
     calls may round to 0, and a server may not grow while 16 MiB stream through it."""
     leaf = path.rsplit(".", 1)[-1]
-    return math.isfinite(n) and (n > 0 or (n == 0 and ("cpu" in leaf or "growth" in leaf)))
+    if leaf == "difference_points":
+        return math.isfinite(n)
+    if leaf == "seed":  # a name, not a figure
+        return n >= 0
+    # A dynamic-data worker of a quick run's short job may find every task taken, or none
+    # to wait for; and a run's workers may start in the same millisecond.
+    idle = re.search(r"(worker_examples|dynamic_data_tasks|dynamic_wait_seconds|skew_seconds)\[", path)
+    return math.isfinite(n) and (n > 0 or (n == 0 and ("cpu" in leaf or "growth" in leaf or idle is not None)))
 
 
+@pytest.mark.timeout(480)
 def test_quick_run_reports_every_section(tmp_path):
     out = tmp_path / "bench.json"
-    proc = run_cli("psbench", "--quick", "--out", str(out), "--keep-logs", str(tmp_path / "logs"), timeout=280)
+    proc = run_cli("psbench", "--quick", "--out", str(out), "--keep-logs", str(tmp_path / "logs"), timeout=460)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     doc = json.loads(out.read_text())
@@ -74,8 +84,19 @@ def test_quick_run_reports_every_section(tmp_path):
     assert metrics[0]["scrapes"]["shard"] >= 2 and metrics[0]["scrapes"]["worker"] >= 2
     assert not metrics[0]["failures"]
 
+    # Dynamic data against the static split: the same examples trained, whoever trained them.
+    elastic = doc["elastic"]
+    throughput = elastic["throughput"]
+    assert throughput["parameters"] == 15_210 and len(throughput["dynamic_reps"]) == 1
+    job = doc["plan"]["elastic_job"]
+    accuracy = elastic["accuracy"]
+    for run in accuracy["static_runs"] + accuracy["dynamic_runs"] + elastic["scaling"]["fewer_runs"]:
+        assert sum(run["worker_examples"]) == job["steps"] * 100 and len(run["worker_examples"]) == run["workers"]
+    assert elastic["accuracy"]["static"]["std"] is None  # one run each
+    assert (elastic["scaling"]["workers"], elastic["scaling"]["fewer"]) == (job["workers"], job["fewer"])
+
     checks = {c["id"]: c for c in doc["checks"]}
-    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7"}
+    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8c"}
     assert all(isinstance(c["passed"], bool) for c in checks.values()), checks
 
     env = doc["environment"]
@@ -83,7 +104,7 @@ def test_quick_run_reports_every_section(tmp_path):
         assert env[key], key
 
     for heading in ("Baselines", "PS goodput", "Small operations", "Training", "Shard memory", "The cost of TLS",
-                    "The cost of metrics", "Checks"):
+                    "The cost of metrics", "Dynamic data (elastic workers)", "Checks"):
         assert heading in proc.stdout, f"table lacks {heading!r}:\n{proc.stdout}"
 
 
@@ -102,3 +123,71 @@ def test_bad_flags_are_usage_errors():
     proc = run_cli("psbench", "--only", "goodput,nonsense", timeout=60)
     assert proc.returncode == 2
     assert "nonsense" in proc.stderr
+
+
+def test_the_benchmark_cnn_is_psworkers_mnist1d_cnn():
+    """The elastic section trains ``psbench.tasks:mnist1d_cnn`` so that its workers need not
+    generate MNIST-1D: it must be the built-in task, weights, data and defaults alike."""
+    import torch
+
+    from psworker.tasks import load_task
+
+    builtin, bench = load_task("mnist1d-cnn", seed=3), load_task("psbench.tasks:mnist1d_cnn", seed=3)
+    assert bench.defaults == builtin.defaults and bench.name == builtin.name
+    assert [(n, p.shape) for n, p in bench.model.named_parameters()] == \
+        [(n, p.shape) for n, p in builtin.model.named_parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(bench.model.parameters(), builtin.model.parameters()))
+    for split in ("train", "test"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(bench, split), getattr(builtin, split)))
+
+
+# The elastic section's pure parts (no processes): they would sit with tests/unit/test_psbench.py.
+
+def test_elastic_figures_from_result_lines(tmp_path):
+    from psbench.elastic import busy_rate, job_seconds, spread, started_at
+
+    static = {"steps": 100, "samples": 6400, "seconds": 2.0}
+    dynamic = {"steps": 100, "samples": 6400, "seconds": 2.5, "data": {"wait_seconds": 0.5}}
+    assert busy_rate(static) == busy_rate(dynamic) == 50.0  # the wait at the job's end is idle time
+    # The job runs from the first worker's first step to the last one's last task; a worker that
+    # started when every task was taken is no part of it.
+    idle = {"samples": 0, "seconds": 0.01, "data": {"wait_seconds": 0.0}}
+    assert job_seconds([100.0, 100.5, 109.0], [dynamic, static, idle]) == pytest.approx(2.5)
+    assert spread([0.9, 0.92, 0.94]) == pytest.approx({"mean": 0.92, "std": 0.02, "min": 0.9, "max": 0.94})
+    assert spread([0.5])["std"] is None
+    logs = {name: tmp_path / f"{name}.log" for name in ("first", "second", "none")}
+    logs["first"].write_text("2026-01-02 03:04:05,250 INFO psworker[7] w: task x on cpu\n"
+                             "2026-01-02 03:04:06,500 INFO psworker[7] w starts at step 1\n")
+    logs["second"].write_text("2026-01-02 03:04:08,000 INFO psworker[8] v starts at step 1\n")
+    logs["none"].write_text("2026-01-02 03:04:08,000 INFO psworker[9] u: no data task free\n")
+    assert started_at(logs["second"]) - started_at(logs["first"]) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="starts at step 1"):
+        started_at(logs["none"])
+
+
+@pytest.mark.parametrize(("ratio", "difference", "scaling", "passed"), [
+    (1.01, -0.4, 0.8, (True, True, True)),
+    (0.95, 2.0, 1.0, (False, False, False)),
+])
+def test_elastic_checks(ratio, difference, scaling, passed):
+    from psbench.checks import compute_checks
+    from psbench.report import _elastic
+
+    side = {"mean": 0.92, "std": 0.01, "min": 0.91, "max": 0.93}
+    elastic = {
+        "throughput": {"width": 100, "parameters": 15_210, "shards": 2, "workers": 2, "ratio": ratio,
+                       "static_steps_per_second": 100.0, "dynamic_steps_per_second": 100.0 * ratio,
+                       "static_samples_per_second": 6400.0, "dynamic_samples_per_second": 6400.0 * ratio,
+                       "dynamic_reps_with_end_wait": [90.0], "ratio_with_end_wait": 0.9 * ratio},
+        "accuracy": {"task": "mnist1d-cnn", "shards": 1, "workers": 4, "job_steps": 2400, "runs": 3,
+                     "static": side, "dynamic": side, "difference_points": difference},
+        "scaling": {"workers": 4, "fewer": 2, "job_steps": 2400, "seconds": 10.0 * scaling, "fewer_seconds": 10.0,
+                    "ratio": scaling, "wall_ratio": 1.1, "static_seconds": 11.0},
+    }
+    checks = {c.id: c for c in compute_checks({"elastic": elastic})}
+    assert (checks["8"].passed, checks["8b"].passed, checks["8c"].passed) == passed
+    assert checks["8b"].value == abs(difference) and checks["8c"].comparison == "<"
+    assert "4 dynamic vs 4 static" in checks["8b"].name and "4 dynamic workers < 1 x 2" in checks["8c"].name
+    table = "\n".join(_elastic(elastic))
+    assert f"{difference:+.2f} points" in table and "4 / 2 =" in table
+    assert all(c.passed is None for c in compute_checks({}) if c.id.startswith("8"))

@@ -46,7 +46,7 @@ def test_only_brings_the_baselines_its_ratios_need():
     assert parse_args(["--only", "training"], env={}).plan().sections == ("training",)
     assert parse_args(["--only", "tls"], env={}).plan().sections == ("tls",)
     assert parse_args([], env={}).plan().sections == ("baselines", "goodput", "latency", "training", "memory",
-                                                      "tls", "metrics")
+                                                      "tls", "metrics", "elastic")
 
 
 def test_quick_plan_is_small_and_flags_override_it():

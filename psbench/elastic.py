@@ -1,0 +1,295 @@
+"""Dynamic data ("elastic workers", ``psworker.elastic``) against the static split, in one run:
+
+* throughput: the training section's smallest MLP (15K parameters, check 3b's case: 2 shards x
+  2 async workers), the workers with ``--worker-index`` (each its slice, ``worker_steps`` steps)
+  and without (leasing data tasks of 256 examples from shard 0 for a job of as many steps),
+  pairs of runs back to back, the first of each pair alternating. Throughput is in steps per
+  second, summed over the workers: in samples, the static split would lose about 1.5% to its
+  short batches (a 2000-example slice is 31 batches of 64 and one of 16; a 4000-example epoch
+  in tasks of 256 has one short batch in 63). A dynamic worker's time is its training loop less
+  its wait at the end of the job, when every task left is another worker's: it has nothing to
+  train then, like a static worker that finished first, whose idle time no figure counts. Any
+  other wait for data (a stall) counts; the figure with the end's wait counted too is beside it.
+* accuracy: a mnist1d-cnn job (``psbench.config.ElasticJob``: the same examples in every run,
+  Adam at half the task's learning rate, which 4 async workers need to train stably) trained by
+  4 static and by 4 dynamic workers, 3 runs each with seeds 0, 1, 2 (a run of each setup per
+  seed: the same initial weights and epoch orders), the final model's test accuracy evaluated
+  on the shards' weights.
+* scaling: the same job trained by 2 dynamic workers, beside each 4-worker run: the job's time
+  from the first worker's first step to the last task's last step (each worker's start from
+  its log line ``starts at step 1``, its end from its result line), 4 workers against 2.
+
+Every run has shards of its own, started before the clock starts: a job's data queue, once
+done, stays done. All processes share this machine's cores.
+
+How long, on 2 cores: 2.5-4 minutes (135 s with a load average of 1-4 from other work, 166 s
+at 5-6; 7 minutes at 15): the throughput pairs 1-2 minutes (10 runs of 2 workers, 5-9 s of
+training each, with start-ups), the 9 mnist1d-cnn jobs 1-2 (4-8 s of training each).
+``--quick`` (1 pair of short runs; 2 static, 2 dynamic and 1 dynamic worker on a 100-step job):
+about 40 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from psbench.config import ElasticJob, TrainingCase
+from psbench.procs import Child, ChildError, Children
+from psbench.ps import start_shards
+from psbench.stats import median, median_ratio
+from psbench.training import BATCH_SIZE, run_cluster, worker_result
+from psbench.tasks import CNN_DEFAULTS
+
+__all__ = ["CNN_TASK", "ElasticThroughput", "JobRun", "busy_rate", "job_seconds", "measure_elastic_jobs",
+           "measure_elastic_throughput", "spread", "started_at"]
+
+log = logging.getLogger(__name__)
+
+CNN_TASK = "psbench.tasks:mnist1d_cnn"
+"""psworker's mnist1d-cnn on psbench's cached data."""
+_LOG_STARTS = ("--log-level", "INFO")  # for the "starts at step 1" lines; both setups alike
+_CNN_FLAGS = ("--threads", "1", "--device", "cpu", "--progress", "none", *_LOG_STARTS)
+# psworker.training logs this (at INFO) just before its training loop's clock starts.
+_STARTS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ psworker\[\d+\] .* starts at step 1\b", re.M)
+
+
+def busy_rate(result: dict) -> float:
+    """A worker's steps per second of its training loop less its wait for data at the end of a
+    dynamic-data job (none with a static split)."""
+    waited = (result.get("data") or {}).get("wait_seconds", 0.0)
+    return result["steps"] / max(result["seconds"] - waited, 1e-9)
+
+
+def started_at(log_path: Path) -> float:
+    """When a worker's training loop started (the Unix time of its ``starts at step 1`` line).
+    Raises ``ValueError`` when the log has no such line."""
+    found = _STARTS.search(log_path.read_text(errors="replace"))
+    if found is None:
+        raise ValueError(f"{log_path} has no 'starts at step 1' line")
+    return datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def job_seconds(starts: list[float], results: list[dict]) -> float:
+    """A job's time from its first worker's first step to its last step: each worker ends its
+    last task at its start plus its training loop less its wait at the job's end. A worker that
+    trained nothing (it started when every task was taken) is no part of it. Raises
+    ``ValueError`` when no worker trained."""
+    spans = [(s, s + r["seconds"] - (r.get("data") or {}).get("wait_seconds", 0.0))
+             for s, r in zip(starts, results) if r["samples"] > 0]
+    if not spans:
+        raise ValueError("no worker trained")
+    return max(end for _, end in spans) - min(start for start, _ in spans)
+
+
+def _starts(logs: list[Path]) -> list[float]:
+    try:
+        return [started_at(path) for path in logs]
+    except ValueError as exc:
+        raise ChildError(str(exc)) from None
+
+
+def _skew(logs: list[Path]) -> float:
+    starts = _starts(logs)
+    return max(starts) - min(starts)
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (None for one value), min and max."""
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else None
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values)}
+
+
+# -- throughput ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ElasticThroughput:
+    """Cluster runs of one model with the static split and with dynamic data, one of each per
+    repetition."""
+
+    case: TrainingCase
+    static: list[list[dict]]
+    """Per repetition, every static worker's result line."""
+    dynamic: list[list[dict]]
+    """Per repetition, every dynamic worker's result line."""
+    static_skew_seconds: list[float]
+    """Per repetition, how much later than the first the last static worker started training."""
+    dynamic_skew_seconds: list[float]
+    workers: int
+    shards: int
+
+    @property
+    def ratio(self) -> float:
+        """The median over repetitions of the dynamic run against the static run of the same
+        repetition (run back to back)."""
+        return median_ratio(_rates(self.dynamic), _rates(self.static))
+
+    def to_dict(self) -> dict:
+        dynamic_with_wait = [sum(w["steps"] / w["seconds"] for w in rep if w["seconds"] > 0) for rep in self.dynamic]
+        data = [w["data"] for rep in self.dynamic for w in rep]
+        return {
+            "task": self.case.task,
+            "width": self.case.width,
+            "parameters": self.case.parameters,
+            "batch_size": BATCH_SIZE,
+            "shards": self.shards,
+            "workers": self.workers,
+            "worker_steps": self.case.worker_steps,
+            "data_task_size": data[0]["job"]["task_size"],
+            "static_steps_per_second": median(_rates(self.static)),
+            "dynamic_steps_per_second": median(_rates(self.dynamic)),
+            "ratio": self.ratio,
+            # As the workers report it: samples over their whole training loop.
+            "static_samples_per_second": median([sum(w["samples_per_second"] for w in rep) for rep in self.static]),
+            "dynamic_samples_per_second": median([sum(w["samples_per_second"] for w in rep) for rep in self.dynamic]),
+            "static_reps": _rates(self.static),
+            "dynamic_reps": _rates(self.dynamic),
+            # The same runs with each dynamic worker's wait at the job's end counted in its time.
+            "dynamic_reps_with_end_wait": dynamic_with_wait,
+            "ratio_with_end_wait": median_ratio(dynamic_with_wait, _rates(self.static)),
+            "dynamic_wait_seconds": [[w["data"]["wait_seconds"] for w in rep] for rep in self.dynamic],
+            "dynamic_data_tasks": [[w["data"]["tasks"] for w in rep] for rep in self.dynamic],
+            "static_start_skew_seconds": self.static_skew_seconds,
+            "dynamic_start_skew_seconds": self.dynamic_skew_seconds,
+        }
+
+
+def _rates(reps: list[list[dict]]) -> list[float]:
+    return [sum(busy_rate(w) for w in rep) for rep in reps]
+
+
+def measure_elastic_throughput(
+    children: Children, case: TrainingCase, *, reps: int, shards: int = 2, workers: int = 2, timeout: float = 600.0,
+) -> ElasticThroughput:
+    """``reps`` cluster runs of ``case`` with the static split and ``reps`` with dynamic data
+    (``shards`` shards and ``workers`` async workers, fresh shards for every run), back to back,
+    the first of each pair alternating. Raises ``ChildError``."""
+    runs: dict[bool, list[list[dict]]] = {False: [], True: []}
+    skews: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(reps):
+        for dynamic in ((False, True) if rep % 2 == 0 else (True, False)):
+            started = start_shards(children, shards)
+            logs: list[Path] = []
+            try:
+                ps = ",".join(address for _, address in started)
+                runs[dynamic].append(run_cluster(children, case, ps, workers=workers, timeout=timeout, run=rep,
+                                                 extra=_LOG_STARTS, dynamic=dynamic,
+                                                 started=lambda child: logs.append(child.log_path)))
+            finally:
+                for child, _ in started:
+                    children.stop(child)
+            skews[dynamic].append(_skew(logs))
+        log.info("mlp%d rep %d: static %.0f steps/s, dynamic %.0f steps/s", case.width, rep + 1,
+                 _rates(runs[False][-1:])[0], _rates(runs[True][-1:])[0])
+    result = ElasticThroughput(case, runs[False], runs[True], skews[False], skews[True], workers, shards)
+    for rep in runs[True]:
+        examples = sum(w["data"]["examples"] for w in rep)
+        if examples != workers * case.worker_steps * BATCH_SIZE:
+            raise ChildError(f"the dynamic workers trained {examples} examples of a job of "
+                             f"{workers * case.worker_steps * BATCH_SIZE}: {rep}")
+    return result
+
+
+# -- the mnist1d-cnn job: accuracy and scaling -------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobRun:
+    """One run of the elastic section's job."""
+
+    workers: int
+    dynamic: bool
+    seed: int
+    test_accuracy: float
+    """Of the final model, pulled from the shards once every worker finished."""
+    seconds: float
+    """The job's time: :func:`job_seconds`."""
+    wall_seconds: float
+    """From starting the workers to the last one's exit: start-ups and the final evaluation in."""
+    worker_examples: list[int]
+
+    def to_dict(self) -> dict:
+        return {"workers": self.workers, "dynamic": self.dynamic, "seed": self.seed,
+                "test_accuracy": self.test_accuracy, "seconds": self.seconds, "wall_seconds": self.wall_seconds,
+                "worker_examples": self.worker_examples}
+
+
+def run_job(children: Children, job: ElasticJob, *, workers: int, dynamic: bool, seed: int,
+            timeout: float = 600.0, extra: Sequence[str] = ()) -> JobRun:
+    """``job`` trained once by ``workers`` async workers (static split or dynamic data; with
+    ``extra`` worker flags) on shards of its own; returns its accuracy and times. Raises
+    ``ChildError``, or ``pswire.errors.PSError`` from the final evaluation."""
+    from psworker.training import evaluate_job  # torch and the task's data: once there is a job
+
+    kind = "dynamic" if dynamic else "static"
+    started = start_shards(children, job.shards)
+    running: list[Child] = []
+    try:
+        ps = ",".join(address for _, address in started)
+        launched = time.monotonic()
+        for i in range(workers):
+            place = (("--steps", str(job.steps)) if dynamic else
+                     ("--worker-index", str(i), "--num-workers", str(workers), "--steps", str(job.steps // workers)))
+            running.append(children.start_module(
+                f"cnn-{kind}{workers}-seed{seed}-worker{i}", "psworker", "--ps", ps, "--task", CNN_TASK, *place,
+                "--seed", str(seed), "--lr", str(job.lr), "--worker-name", f"{kind}-worker{i}", *_CNN_FLAGS, *extra,
+                separate_stdout=True,
+            ))
+        results = [worker_result(child, timeout) for child in running]
+        wall = time.monotonic() - launched
+        starts = _starts([child.log_path for child in running])
+        final = evaluate_job(ps, CNN_TASK, seed=seed)
+    finally:
+        for child in running:
+            children.stop(child)
+        for child, _ in started:
+            children.stop(child)
+    trained = sum(r["samples"] for r in results)
+    if trained != job.steps * CNN_DEFAULTS.batch_size:
+        raise ChildError(f"{workers} {kind} workers trained {trained} examples of a job of "
+                         f"{job.steps * CNN_DEFAULTS.batch_size}")
+    return JobRun(workers, dynamic, seed, final["test_accuracy"], job_seconds(starts, results), wall,
+                  [r["samples"] for r in results])
+
+
+def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 600.0) -> dict:
+    """``job.runs`` runs of each setup (``workers`` static, ``workers`` dynamic, ``fewer``
+    dynamic), a run of each per seed, their order rotating from one seed to the next. Returns
+    the ``accuracy`` and ``scaling`` parts of the section. Raises ``ChildError``."""
+    setups = [(job.workers, False), (job.workers, True), (job.fewer, True)]
+    runs: dict[tuple[int, bool], list[JobRun]] = {setup: [] for setup in setups}
+    for seed in range(job.runs):
+        for workers, dynamic in setups[seed % 3:] + setups[:seed % 3]:
+            run = run_job(children, job, workers=workers, dynamic=dynamic, seed=seed, timeout=timeout)
+            runs[workers, dynamic].append(run)
+            log.info("mnist1d-cnn seed %d, %d %s workers: test accuracy %.3f, job %.1fs (%.1fs with start-ups)",
+                     seed, workers, "dynamic" if dynamic else "static", run.test_accuracy, run.seconds,
+                     run.wall_seconds)
+    static, dynamic, fewer = (runs[setup] for setup in setups)
+    accuracy = {
+        "static": spread([r.test_accuracy for r in static]),
+        "dynamic": spread([r.test_accuracy for r in dynamic]),
+    }
+    accuracy["difference_points"] = 100 * (accuracy["dynamic"]["mean"] - accuracy["static"]["mean"])
+    common = {"task": "mnist1d-cnn", "shards": job.shards, "job_steps": job.steps,
+              "batch_size": CNN_DEFAULTS.batch_size, "lr": job.lr, "runs": job.runs}
+    return {
+        "accuracy": {**common, "workers": job.workers, **accuracy,
+                     "static_runs": [r.to_dict() for r in static], "dynamic_runs": [r.to_dict() for r in dynamic]},
+        "scaling": {
+            **common, "workers": job.workers, "fewer": job.fewer,
+            "seconds": median([r.seconds for r in dynamic]),
+            "fewer_seconds": median([r.seconds for r in fewer]),
+            # Each run with more workers against the run with fewer of the same seed.
+            "ratio": median_ratio([r.seconds for r in dynamic], [r.seconds for r in fewer]),
+            "wall_ratio": median_ratio([r.wall_seconds for r in dynamic], [r.wall_seconds for r in fewer]),
+            "static_seconds": median([r.seconds for r in static]),
+            "fewer_runs": [r.to_dict() for r in fewer],
+        },
+    }
