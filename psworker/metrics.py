@@ -67,7 +67,13 @@ class WorkerMetrics:
                                "off (evicted, or a shard restored).", registry=registry)
         self._loss: Gauge | None = None
         self._accuracy: Gauge | None = None
-        self._data: tuple[Counter, Counter] | None = None
+        # Dynamic data's counters, at 0 on a static worker (as the shards' psserver_data_*).
+        self._data = (
+            Counter("psworker_data_tasks_total", "Data tasks this worker trained to the end and reported "
+                    "(dynamic data; 0 with --worker-index).", registry=registry),
+            Counter("psworker_data_wait_seconds_total", "Time this worker waited for a data task to come free "
+                    "(dynamic data: the rest were held by other workers).", registry=registry),
+        )
         self._data_seen = (0, 0.0)
         self._rejoins_seen = 0
         self._lock = threading.Lock()  # guards _exchange: the client's threads add, the training loop takes
@@ -76,14 +82,7 @@ class WorkerMetrics:
 
     def data(self, *, tasks: int, wait_seconds: float) -> None:
         """Dynamic data: the feed's totals so far (tasks this worker finished, seconds it waited
-        for a free one). The counters appear with the first call: a static worker has none."""
-        if self._data is None:
-            self._data = (
-                Counter("psworker_data_tasks_total", "Data tasks this worker trained to the end and reported "
-                        "(dynamic data).", registry=self.registry),
-                Counter("psworker_data_wait_seconds_total", "Time this worker waited for a data task to come free "
-                        "(dynamic data: the rest were held by other workers).", registry=self.registry),
-            )
+        for a free one)."""
         done, waited = self._data_seen
         self._data[0].inc(max(0, tasks - done))
         self._data[1].inc(max(0.0, wait_seconds - waited))
