@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +51,43 @@ class DataQueue:
 
     # -- leasing ------------------------------------------------------------------------------
 
+    @classmethod
+    def for_plan(cls, queue: "DataQueue | None", plan: DataPlan | None, who: str) -> "DataQueue":
+        """The job's queue for a request carrying ``plan`` (None: whatever the job's is): a new
+        one when the job has none yet. Raises ``PreconditionError`` without a plan to start
+        from, or for a plan that differs from the job's (naming both)."""
+        if queue is None:
+            if plan is None:
+                raise PreconditionError("this job has no data plan yet: the first worker's request sets it")
+            return cls(plan)
+        if plan is not None and plan != queue.plan:
+            raise PreconditionError(
+                f"the job's data plan is {queue.plan.describe()}; {who} asks for {plan.describe()} "
+                "(every worker of the job must use the same dataset, task size, seed and length)"
+            )
+        return queue
+
+    def exchange(
+        self, holder: str, generation: int, finished: Sequence[tuple[DataTask, int]], want: int
+    ) -> list[DataTask]:
+        """One request of ``holder``'s registration ``generation``: stop holding each ``(task,
+        trained)`` of ``finished`` (:meth:`finish`), then lease up to ``want`` more. Every part
+        is checked before anything changes. Returns every task the registration holds now.
+        Raises as :meth:`finish` and :meth:`lease` do, and ``InvalidArgumentError`` for a task
+        reported twice."""
+        self._check_want(want)
+        keys = [(t.epoch, t.start) for t, _ in finished]
+        if len(set(keys)) != len(keys):
+            raise InvalidArgumentError("a data task is reported finished twice in one request")
+        for task, trained in finished:
+            self.check_finish(holder, generation, task, trained)
+        for task, trained in finished:
+            self.finish(holder, generation, task, trained)
+        self.lease(holder, generation, want)
+        return self.held_by(holder, generation)
+
     @staticmethod
-    def check_want(want: int) -> None:
-        """Raises ``InvalidArgumentError`` unless ``0 <= want <= MAX_HELD``."""
+    def _check_want(want: int) -> None:
         if not 0 <= want <= MAX_HELD:
             raise InvalidArgumentError(f"a worker may ask for 0..{MAX_HELD} data tasks at once, not {want}")
 
@@ -60,7 +95,7 @@ class DataQueue:
         """Lease up to ``want`` tasks to ``holder`` (generation ``generation``), given-back ones
         first, never taking it above ``MAX_HELD``. Returns fewer (or none) when the queue has
         nothing free: the rest is leased to others, or the job's data is done."""
-        self.check_want(want)
+        self._check_want(want)
         room = MAX_HELD - sum(1 for lease in self._leased.values() if lease.holder == holder)
         tasks = []
         while len(tasks) < min(want, room):

@@ -914,30 +914,14 @@ class ShardStore:
                        and not worker.evicted and not worker.fenced and not want and not finished)
             if not waiting or session is not None and not hmac.compare_digest(session, worker.secret):
                 worker = self._check_worker(worker_id, generation, session)
-            queue = self._data
-            if queue is None:
-                if plan is None:
-                    raise PreconditionError("this job has no data plan yet: the first worker's request sets it")
-                queue = DataQueue(plan)
-                log.info("dynamic data: %s, set by %s", plan.describe(), worker.name)
-            elif plan is not None and plan != queue.plan:
-                raise PreconditionError(
-                    f"the job's data plan is {queue.plan.describe()}; {worker.name} asks for {plan.describe()} "
-                    "(every worker of the job must use the same dataset, task size, seed and length)"
-                )
-            queue.check_want(want)
-            keys = [(t.epoch, t.start) for t, _ in finished]
-            if len(set(keys)) != len(keys):
-                raise InvalidArgumentError("a data task is reported finished twice in one request")
-            for task, trained in finished:  # every report checked before any is applied
-                queue.check_finish(worker.name, generation, task, trained)
-            for task, trained in finished:
-                queue.finish(worker.name, generation, task, trained)
-            queue.lease(worker.name, generation, want)
-            self._data = queue
-            if queue.finished and finished:
+            queue = DataQueue.for_plan(self._data, plan, worker.name)
+            held = queue.exchange(worker.name, generation, finished, want)
+            if self._data is None:
+                log.info("dynamic data: %s, set by %s", queue.plan.describe(), worker.name)
+                self._data = queue
+            elif queue.finished and finished:
                 log.info("dynamic data: every task of the job is done (%d examples)", queue.examples_done)
-            return queue.held_by(worker.name, generation), queue.plan, queue.status()
+            return held, queue.plan, queue.status()
 
     def _release_data(self, worker: Worker, why: str) -> None:
         # Caller holds _lock. A registration that ended gives its data tasks back.

@@ -85,6 +85,8 @@ class PSClient:
         self.resume_data: dict[str, int] = {}
         """This worker's progress as the shards last recorded it (empty for a new worker)."""
         self._registrations = 0
+        self._left = False
+        """Set by :meth:`leave`, cleared by :meth:`register`: no heartbeats meanwhile."""
         self.fenced = threading.Event()
         """Set when a shard says this worker's registration is void (evicted): re-register."""
         self._heartbeat_stop = threading.Event()
@@ -172,6 +174,7 @@ class PSClient:
 
         initialised = any(self._fan_out(one, range(self.num_shards)))
         self._registrations += 1
+        self._left = False
         self.fenced.clear()
         self.resume_data = max(positions, key=lambda d: d["step"], default={})
         self.lease_seconds = min((lease for lease in leases if lease > 0), default=0.0)
@@ -185,7 +188,7 @@ class PSClient:
         long training step never starves it."""
         while not self._heartbeat_stop.wait(timeout=self.lease_seconds / 3):
             with self._lock:
-                sessions = list(self._sessions)
+                sessions = [] if self._left else list(self._sessions)  # a left registration has no lease
             for session in sessions:
                 request = ps_pb2.HeartbeatRequest(
                     worker_id=session.worker_id, generation=session.generation, session=session.secret
@@ -416,13 +419,14 @@ class PSClient:
                 log.warning("leaving %s: %s", session.client.address, exc)
 
         self._fan_out(one, sessions)
+        self._left = True
 
     def data(
         self, plan: ps_pb2.DataPlan | None, finished: Sequence[ps_pb2.DataTask] = (), want: int = 0
     ) -> tuple[int, ps_pb2.DataResponse]:
         """One exchange with the job's data queue on shard 0 (``psworker.elastic``): report
-        ``finished`` tasks, lease up to ``want`` more. Returns the generation of the registration
-        it was made under, and the reply."""
+        ``finished`` tasks, lease up to ``want`` more. Returns the registration it was made under
+        (:meth:`registration`), and the reply."""
         registration = self._registrations  # before the credentials: a race labels new leases old, and
         session = self._require_sessions()[0]  # the next reply, which names every task held, relabels them
         request = ps_pb2.DataRequest(
