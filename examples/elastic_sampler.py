@@ -4,9 +4,9 @@ Start the shards, then as many copies of this script as you like, whenever you l
 leases each copy data tasks (slices of every epoch's seeded permutation), and together they train
 every example of the job once, however many copies run and whenever they join or leave.
 
-    psserver --port 7000 &  psserver --port 7001 &
-    python examples/elastic_sampler.py 127.0.0.1:7000,127.0.0.1:7001 &
-    python examples/elastic_sampler.py 127.0.0.1:7000,127.0.0.1:7001
+    .venv/bin/psserver --port 7000 &  .venv/bin/psserver --port 7001 &
+    .venv/bin/python examples/elastic_sampler.py 127.0.0.1:7000,127.0.0.1:7001 &
+    .venv/bin/python examples/elastic_sampler.py 127.0.0.1:7000,127.0.0.1:7001
 """
 
 import sys

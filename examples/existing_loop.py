@@ -1,7 +1,7 @@
 """An ordinary PyTorch training loop, moved onto the parameter server by three changed lines.
 
-    psserver --port 7000 &  psserver --port 7001 &
-    python examples/existing_loop.py 127.0.0.1:7000,127.0.0.1:7001
+    .venv/bin/psserver --port 7000 &  .venv/bin/psserver --port 7001 &
+    .venv/bin/python examples/existing_loop.py 127.0.0.1:7000,127.0.0.1:7001
 """
 
 import sys

@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from pswire.flags import add_fields, parse
+from pswire.flags import add_fields, add_version, parse
 
 __all__ = ["SECTIONS", "BenchConfig", "ElasticJob", "Plan", "TrainingCase", "parse_args", "training_case"]
 
@@ -262,4 +262,5 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         epilog="Every flag can also be set as PSBENCH_<FLAG> (e.g. PSBENCH_REPS=3); flags win.",
     )
     add_fields(parser, BenchConfig)
+    add_version(parser)
     return parse(BenchConfig, parser, argv, env, "PSBENCH")

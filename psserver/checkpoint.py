@@ -215,6 +215,36 @@ class CheckpointStore:
         raise CheckpointError(f"no usable checkpoint for shard {shard_index} of {num_shards} in {self.root}: "
                               + "; ".join(problems))
 
+    def load_all(self, checkpoint_id: int | None = None) -> tuple[int, list[ShardPart]]:
+        """Every part of one checkpoint, in shard order, for a reader of the whole job (the model
+        with no shard running, ``psserver.model``): checkpoint ``checkpoint_id``, or else the newest
+        usable one in :meth:`load`'s order, whatever its shard count. Every part is verified
+        (sizes, sha256, parsing) before any is returned; each skipped checkpoint is logged.
+
+        Raises CheckpointError naming the problems when there is no such checkpoint, or none usable.
+        """
+        problems: list[str] = []
+        pointer = self._read_pointer(problems)
+        scan = self._scan()
+        if checkpoint_id is not None:
+            order = [(checkpoint_id, n) for n in sorted(scan.get(checkpoint_id, ()))]
+            if not order:
+                have = ", ".join(str(c) for c in sorted(scan, reverse=True)[:5]) or "none"
+                raise CheckpointError(f"checkpoint {checkpoint_id} is not in {self.root} (newest there: {have})")
+        else:
+            order = [pointer] if pointer else []
+            order += [(c, n) for c, ns in sorted(scan.items(), reverse=True) for n in sorted(ns) if (c, n) != pointer]
+        for cid, n in order:
+            try:
+                for i in range(n):  # cheap pass first, as _verify_checkpoint
+                    self._verify_part(cid, i, n, deep=False)
+                return cid, [self._verify_part(cid, i, n, deep=True)[1] for i in range(n)]
+            except CheckpointError as exc:
+                what = " (unfinished: a shard's part has no manifest)" if isinstance(exc, _Unfinished) else ""
+                log.warning("checkpoint %d in %s is not usable, skipping it: %s%s", cid, self.root, exc, what)
+                problems.append(f"{exc}{what}")
+        raise CheckpointError(f"no usable checkpoint in {self.root}: " + ("; ".join(problems) or "there is none"))
+
     # --- internals -------------------------------------------------------------------------------
 
     def _ckpt_dir(self, cid: int) -> Path:

@@ -119,6 +119,13 @@ class Checkpointer:
             check_id(checkpoint_id, self.last_id, self._now())
             return self._write(checkpoint_id, self._store.export())
 
+    def write(self, checkpoint_id: int, exported: tuple[int, dict, dict]) -> tuple[str, int, bool]:
+        """:meth:`checkpoint` of a state already exported (``ShardStore.export``), e.g. a job's
+        final state while ``end_job`` holds its calls."""
+        with self._lock:
+            check_id(checkpoint_id, self.last_id, self._now())
+            return self._write(checkpoint_id, exported)
+
     def _write(self, checkpoint_id: int, exported: tuple[int, dict, dict]) -> tuple[str, int, bool]:
         # Caller holds _lock.
         version, tensors, metadata = exported

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pswire.codec import DEFAULT_CHUNK_BYTES
-from pswire.flags import add_fields, parse
+from pswire.flags import add_fields, add_version, parse
 
 if TYPE_CHECKING:
     from psserver.auth import AdmissionCaps
@@ -22,7 +22,7 @@ __all__ = ["ServerConfig", "parse_args"]
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": 'Interface to bind. Loopback by default; containers bind 0.0.0.0 on an internal network.'})
-    port: int = field(default=0, metadata={"help": 'TCP port; 0 picks a free one (it is logged and written to ``port_file``).'})
+    port: int = field(default=0, metadata={"help": 'TCP port; 0 picks a free one (it is logged and written to --port-file).'})
     bulk_port: int = field(default=0, metadata={"help": 'TCP port of the bulk lanes, which carry the bytes of large pushes and pulls beside gRPC (on --host; workers learn it when they register); 0 picks a free one, -1 turns lanes off (every byte goes through gRPC).'})
     port_file: str | None = field(default=None, metadata={"help": 'If set, the bound port is written here (atomically) once the shard serves.'})
     threads: int = field(default=32, metadata={"help": 'gRPC handler threads; also the most RPCs served at once (see --max-data-calls for how they are shared).'})
@@ -124,4 +124,5 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         epilog="Every flag can also be set as PSSERVER_<FLAG> (e.g. PSSERVER_PORT=7000); flags win.",
     )
     add_fields(parser, ServerConfig)
+    add_version(parser)
     return parse(ServerConfig, parser, argv, env, "PSSERVER")

@@ -3,9 +3,11 @@ behind the token and admission interceptors (``psserver.auth``), over TLS when c
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
+import socket
 import tempfile
 import threading
 from concurrent import futures
@@ -119,6 +121,9 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     or parsed (naming its flag and path)."""
     tls = ServerTLS(cert_file=config.tls_cert, key_file=config.tls_key, client_ca_file=config.tls_client_ca) \
         if config.tls_cert else None
+    # Before anything starts (a restore can take a while): a port another process holds is named
+    # in one line, where gRPC would log a C-core error and "set GRPC_VERBOSITY=debug".
+    check_ports(config)
     tokens = load_token_file(config.auth_token_file) if config.auth_token_file else None
     caps = config.admission_caps()
     lease = config.lease_timeout or None
@@ -171,16 +176,23 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
         else:
             port = server.add_insecure_port(target)
     except RuntimeError as exc:
-        raise RuntimeError(f"cannot bind {target}: {exc}") from exc
-    if port == 0:
-        raise RuntimeError(f"cannot bind {target}")
+        port, failure = 0, exc
+    else:
+        failure = None
+    if port == 0:  # taken since check_ports looked, say: explain it as check_ports would
+        bind_check(config.host, config.port, "--port")
+        raise RuntimeError(f"cannot bind {target}" + (f": {failure}" if failure else "")) from failure
     address = f"{config.host}:{port}"
     budget = InflightBudget(config.max_inflight_bytes)
     lanes = None
     if config.bulk_port >= 0:
-        lanes = LaneServer(config.host, config.bulk_port, max_bytes=config.max_request_bytes, budget=budget,
-                           session_secret=store.session_secret,
-                           ssl_context=tls.ssl_context() if tls is not None else None)
+        try:
+            lanes = LaneServer(config.host, config.bulk_port, max_bytes=config.max_request_bytes, budget=budget,
+                               session_secret=store.session_secret,
+                               ssl_context=tls.ssl_context() if tls is not None else None)
+        except RuntimeError as exc:
+            _explain_bind(exc, config.host, config.bulk_port, "--bulk-port")
+            raise
     servicer = ParameterServerServicer(
         store, address=address, chunk_bytes=config.chunk_bytes, max_request_bytes=config.max_request_bytes,
         checkpointer=checkpointer, lanes=lanes, budget=budget, stream_idle_timeout=config.stream_idle_timeout,
@@ -195,9 +207,10 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
                                      shard_index=config.shard_index, num_shards=config.num_shards))
         try:
             metrics.serve(config.metrics_address, config.metrics_port)
-        except RuntimeError:
+        except RuntimeError as exc:
             if lanes is not None:
                 lanes.stop()
+            _explain_bind(exc, config.metrics_address, config.metrics_port, "--metrics-port")
             raise
         log.info("metrics on %s", metrics_url(config.metrics_address, metrics.port))
         if not is_loopback(config.metrics_address):
@@ -225,6 +238,72 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
         checkpointer.start()
     return Shard(server, port, store, health_servicer, config, reaper, checkpointer, lanes, admission, servicer,
                  metrics)
+
+
+def check_ports(config: ServerConfig) -> None:
+    """Raise ``RuntimeError`` naming the flag and the port when a port the shard is configured
+    to bind (``--port``, ``--bulk-port``, ``--metrics-port``; 0 is any free one) is taken, or
+    given twice."""
+    wanted = [(config.host, config.port, "--port")]
+    if config.bulk_port > 0:
+        wanted.append((config.host, config.bulk_port, "--bulk-port"))
+    if config.metrics_port:
+        wanted.append((config.metrics_address, config.metrics_port, "--metrics-port"))
+    seen: dict[tuple[str, int], str] = {}
+    for host, port, flag in wanted:
+        if port == 0:
+            continue
+        if (host, port) in seen:
+            raise RuntimeError(f"{seen[host, port]} and {flag} are both {port}: give each its own port "
+                               "(0 picks a free one)")
+        seen[host, port] = flag
+        bind_check(host, port, flag)
+
+
+_PORT_NAMES = {"--port": "", "--bulk-port": "the bulk port ", "--metrics-port": "the metrics port "}
+
+
+def bind_check(host: str, port: int, flag: str) -> None:
+    """Raise ``RuntimeError`` naming the port and ``flag`` when ``host:port`` cannot be bound
+    now ("cannot bind 127.0.0.1:7000: port 7000 is already in use ..."). The probe binds as the
+    shard's servers do, with SO_REUSEADDR and without SO_REUSEPORT: a port another process
+    listens on fails, one that a shard stopped a moment ago left in TIME_WAIT does not. Binding
+    one of the addresses ``host`` resolves to suffices, as it does for gRPC."""
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise RuntimeError(f"cannot bind {_PORT_NAMES.get(flag, '')}{host}:{port}: {exc.strerror}") from exc
+    failure: OSError | None = None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                failure = failure or exc
+            else:
+                return
+    if failure is not None:
+        _explain_bind(failure, host, port, flag)
+        raise RuntimeError(f"cannot bind {_PORT_NAMES.get(flag, '')}{host}:{port}: {failure.strerror or failure}") \
+            from failure
+
+
+def _explain_bind(exc: BaseException, host: str, port: int, flag: str) -> None:
+    """Raise a ``RuntimeError`` that says in words why ``host:port`` could not be bound, when
+    ``exc`` (or its cause) is an ``OSError`` of a common reason; else return."""
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    code = cause.errno if isinstance(cause, OSError) else None
+    if code == errno.EADDRINUSE:
+        reason = (f"port {port} is already in use (another psserver?): stop what holds it, or give another "
+                  f"{flag} (0 picks a free one)")
+    elif code == errno.EACCES:
+        reason = f"port {port} needs privileges this process lacks: give a {flag} above 1023"
+    elif code == errno.EADDRNOTAVAIL:
+        reason = f"{host} is not an address of this machine"
+    else:
+        return
+    raise RuntimeError(f"cannot bind {_PORT_NAMES.get(flag, '')}{host}:{port}: {reason}") from cause
 
 
 def is_loopback(host: str) -> bool:

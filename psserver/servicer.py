@@ -188,6 +188,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             data=ps_pb2.DataPosition(**result.data) if result.data else None,
             bulk_port=self._lanes.port if self._lanes is not None else 0,
             session=result.session,
+            workers_live=result.workers_live,
         )
 
     def _receive(
@@ -415,6 +416,36 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         return ps_pb2.CheckpointResponse(
             checkpoint_id=request.checkpoint_id, path=path, version=version, complete=complete
+        )
+
+    def EndJob(self, request: ps_pb2.EndJobRequest, context: grpc.ServicerContext) -> ps_pb2.EndJobResponse:
+        checkpointer, checkpoint_id = self._checkpointer, request.checkpoint_id
+
+        def final(exported: tuple[int, dict, dict]) -> tuple[str, int, bool]:
+            assert checkpointer is not None
+            try:
+                return checkpointer.write(checkpoint_id, exported)
+            except OSError as exc:
+                raise errors.PreconditionError(
+                    f"cannot write checkpoint {checkpoint_id} in {checkpointer.directory}: {exc.strerror or exc}; "
+                    "the job goes on"
+                ) from exc
+
+        try:
+            if checkpoint_id and checkpointer is None:
+                raise errors.PreconditionError(
+                    "this shard has no --checkpoint-dir, so it cannot write a final checkpoint: the job goes on"
+                )
+            ended = self._store.end_job(final if checkpoint_id else None, job_fingerprint=request.job_fingerprint)
+        except (errors.PSError, ValueError) as exc:
+            log.warning("end-job refused: %s", exc)
+            _abort(context, exc)
+        if ended is None:
+            return ps_pb2.EndJobResponse(ended=False)
+        path, _, complete = ended.final if ended.final is not None else ("", 0, False)
+        return ps_pb2.EndJobResponse(
+            ended=True, job_fingerprint=ended.job_fingerprint, version=ended.version,
+            workers_live=ended.workers_live, checkpoint_path=path, checkpoint_complete=complete,
         )
 
     def Heartbeat(self, request: ps_pb2.HeartbeatRequest, context: grpc.ServicerContext) -> ps_pb2.HeartbeatResponse:

@@ -38,8 +38,8 @@ from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
 
 __all__ = [
-    "NonFiniteError", "PullSnapshot", "PulledPart", "PushResult", "Reading", "RegisterResult", "Registration",
-    "ShardState", "ShardStore",
+    "EndedJob", "NonFiniteError", "PullSnapshot", "PulledPart", "PushResult", "Reading", "RegisterResult",
+    "Registration", "ShardState", "ShardStore",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class ShardState(enum.Enum):
     EMPTY = "empty"
     INITIALIZING = "initializing"
     READY = "ready"
+    ENDING = "ending"
+    """``end_job`` is writing the final checkpoint: calls of the job wait (retryably)."""
 
 
 class NonFiniteError(InvalidArgumentError):
@@ -101,6 +103,36 @@ class RegisterResult:
     """This worker's last recorded progress (a restarted worker resumes from it)."""
     session: bytes = b""
     """The registration's secret: every later call of it must carry it."""
+    workers_live: int = 1
+    """Live registrations of the job on this shard, this one included."""
+
+
+@dataclass(frozen=True)
+class EndedJob:
+    """What :meth:`ShardStore.end_job` ended."""
+
+    job_fingerprint: str
+    version: int
+    workers_live: int
+    final: object = None
+    """What the ``final`` callback returned (the final checkpoint), None without one."""
+
+
+@dataclass(frozen=True)
+class _Ended:
+    # The jobs this shard ended: every worker id below ``below`` belonged to one of them, and
+    # ``sessions`` are the last one's registrations (a worker of it asking to register again).
+    job_fingerprint: str
+    below: int
+    sessions: frozenset[bytes]
+    at_unix: float
+
+    def error(self) -> PreconditionError:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.at_unix))
+        return PreconditionError(
+            f"the job {self.job_fingerprint or '(unnamed)'!r} was ended on this shard at {when} "
+            "(psctl end-job); this worker belonged to it. Start the next job with new workers"
+        )
 
 
 @dataclass(frozen=True)
@@ -169,6 +201,15 @@ class ShardStore:
         self._started = clock()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        # Worker ids only grow, across jobs too: an ended job's ids are never given out again.
+        self._next_worker_id = 1
+        self._ended: _Ended | None = None
+        self._waiting_pulls = 0
+        self._cut_every = 0
+        self._reset_job()
+
+    def _reset_job(self) -> None:
+        # Caller holds _lock (or is __init__): everything that belongs to one job, as before any.
         self._state = ShardState.EMPTY
         self._job: Registration | None = None
         self._rule: UpdateRule | None = None
@@ -177,18 +218,15 @@ class ShardStore:
         self._init_deadline = 0.0
         self._workers: dict[str, Worker] = {}
         self._by_id: dict[int, Worker] = {}  # the same workers, keyed by id for every push
-        self._next_worker_id = 1
         self._version = 0
         self._clock_floor = 0
         # Sync mode: the clock being collected, and the gradients received for it.
         self._open_clock = 0
         self._sync = SyncClock()
-        self._waiting_pulls = 0
         self._counters = Counters()
-        # Checkpoints every N steps: the state is copied the moment the clock reaches a multiple
-        # of N (in sync an exact cut), so every shard's part of checkpoint C is its state at
-        # clock C whenever its writer thread gets to it. At most two cuts wait to be written.
-        self._cut_every = 0
+        # Checkpoints every N steps (``_cut_every``): the state is copied the moment the clock
+        # reaches a multiple of N (in sync an exact cut), so every shard's part of checkpoint C
+        # is its state at clock C whenever its writer thread gets to it. At most two cuts wait.
         self._last_cut = 0
         self._cuts: deque[tuple[int, tuple[int, dict[str, np.ndarray], dict]]] = deque()
         self._data: DataQueue | None = None  # dynamic data: the job's queue (shard 0 only)
@@ -213,6 +251,10 @@ class ShardStore:
         check_parts(reg.parts, self._max_model_bytes)
         rule = create_update_rule(reg.optimizer)
         with self._lock:
+            if self._ended is not None and session and session in self._ended.sessions:
+                raise self._ended.error()
+            if self._state is ShardState.ENDING:
+                raise NotReadyError("this shard's job is being ended (psctl end-job); retry")
             if self._job is None:
                 self._job, self._rule = reg, rule
                 self._state = ShardState.INITIALIZING
@@ -254,6 +296,7 @@ class ShardStore:
             return RegisterResult(
                 worker.worker_id, worker.generation, must_init, self._version, start, self._job.consistency,
                 self._lease_timeout or 0.0, dict(worker.data), worker.secret,
+                sum(w.live for w in self._workers.values()),
             )
 
     def _check_takeover(self, worker: Worker, session: bytes) -> None:
@@ -307,7 +350,11 @@ class ShardStore:
         with self._lock:
             worker = self._check_worker(worker_id, generation, session)
             worker.live = False
-            log.info("%s left the job at clock %d", worker.name, worker.clock)
+            # Its clock is not its step count: a (re)joining worker starts at the shard's clock.
+            step = f" at its step {worker.data['step']}," if "step" in worker.data else ""
+            log.info("%s left the job%s after %d pushes to this shard in %d registration(s); its clock here is %d "
+                     "(the shard's clock when it last registered, plus one per push since)",
+                     worker.name, step, worker.pushes, worker.generation, worker.clock)
             self._release_data(worker, "left")
             self._membership_changed()
 
@@ -342,10 +389,9 @@ class ShardStore:
         # Caller holds _lock. ``session`` None: an in-process caller (no proof needed).
         worker = self._by_id.get(worker_id)
         if worker is None:
-            raise FencedError(
-                f"worker id {worker_id} is not registered with this shard (it restarted without a checkpoint?): "
-                "register again"
-            )
+            raise self._unknown(worker_id)
+        if self._state is ShardState.ENDING:
+            raise NotReadyError("this shard's job is being ended (psctl end-job); retry")
         if generation != worker.generation:
             raise FencedError(
                 f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
@@ -369,6 +415,19 @@ class ShardStore:
             )
         worker.heard_at = self._now()
         return worker
+
+    def _ended_job(self, worker_id: int) -> PreconditionError | None:
+        # Caller holds _lock. The error for a worker of a job this shard ended, else None.
+        if self._ended is not None and worker_id not in self._by_id and 0 < worker_id < self._ended.below:
+            return self._ended.error()
+        return None
+
+    def _unknown(self, worker_id: int) -> PreconditionError:
+        # Caller holds _lock. What a call of a worker id this shard does not know is told.
+        return self._ended_job(worker_id) or FencedError(
+            f"worker id {worker_id} is not registered with this shard (it restarted without a checkpoint?): "
+            "register again"
+        )
 
     def _member_clocks(self) -> dict[str, int]:
         return {w.name: w.clock for w in self._workers.values() if w.live}
@@ -554,8 +613,13 @@ class ShardStore:
             raise
         with self._lock:
             self._counters.pushes_received += 1
+            if (ended := self._ended_job(worker_id)) is not None:
+                raise ended
             if self._state is not ShardState.READY:
-                raise NotReadyError("this shard is not initialised yet")
+                raise NotReadyError(
+                    "this shard's job is being ended (psctl end-job); retry" if self._state is ShardState.ENDING
+                    else "this shard is not initialised yet"
+                )
             worker = self._check_worker(worker_id, generation, session)
             if 0 < sequence <= worker.max_sequence:
                 known = worker.applied.get(sequence)
@@ -699,11 +763,12 @@ class ShardStore:
             self._waiting_pulls -= 1
             self._counters.pull_wait_seconds += self._now() - started
 
-    def wait_ready(self, timeout: float) -> None:
-        """Block until initialised; raises ``NotReadyError`` after ``timeout`` seconds."""
+    def wait_ready(self, timeout: float, *, worker_id: int = 0) -> None:
+        """Block until initialised; raises ``NotReadyError`` after ``timeout`` seconds, and at
+        once the error of a ``worker_id`` the shard stops knowing meanwhile (its job ended)."""
         with self._changed:
             self._wait(
-                lambda: self._state is ShardState.READY,
+                lambda: self._state is ShardState.READY or bool(worker_id) and worker_id not in self._by_id,
                 self._now() + timeout,
                 lambda: NotReadyError(
                     f"shard not initialised after {timeout:.1f}s"
@@ -738,18 +803,18 @@ class ShardStore:
         deadline = self._now() + timeout
         with self._lock:
             if worker_id and worker_id not in self._by_id:
-                # The shard lost its state (restarted without a checkpoint): waiting would not help.
-                raise FencedError(
-                    f"worker id {worker_id} is not registered with this shard "
-                    "(it restarted without a checkpoint?): register again"
-                )
+                # The shard lost its state (restarted without a checkpoint) or its job ended:
+                # waiting would not help.
+                raise self._unknown(worker_id)
             if worker_id and session is not None:
                 worker = self._by_id[worker_id]
                 if not (worker.secret and hmac.compare_digest(session, worker.secret)):
                     # A pull as a worker is that worker's: only its session may make it.
                     self._check_worker(worker_id, generation, session)
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, worker_id=worker_id)
         with self._changed:
+            if worker_id and worker_id not in self._by_id:
+                raise self._unknown(worker_id)
             job = self._job
             assert job is not None
             if clock >= 0 and worker_id:
@@ -903,6 +968,8 @@ class ShardStore:
         to this registration, ``InvalidArgumentError`` for impossible counts, and as any call of
         a registration (fenced, evicted, no session)."""
         with self._lock:
+            if (ended := self._ended_job(worker_id)) is not None:
+                raise ended
             if self._state is not ShardState.READY or self._job is None:
                 raise NotReadyError("this shard is not initialised yet")
             if self._job.shard_index != 0:
@@ -932,6 +999,53 @@ class ShardStore:
             log.info("%s %s: %d data task(s) back in the queue (%s)", worker.name, why, len(tasks),
                      ", ".join(map(str, tasks)))
 
+    # -- the job's end -----------------------------------------------------------------------
+
+    def end_job(
+        self, final: Callable[[tuple[int, dict[str, np.ndarray], dict]], object] | None = None,
+        *, job_fingerprint: str = "",
+    ) -> EndedJob | None:
+        """End the job this shard holds: every registration of it is void for good (its calls,
+        and its sessions registering again, get ``PreconditionError`` saying the job ended,
+        never "register again"), and the shard is empty, ready for a new job. Returns None
+        when it holds no job.
+
+        ``final`` (a checkpoint writer) is called with :meth:`export` of the final state, if
+        the shard is initialised, while the job's calls wait (``NotReadyError``, retryable);
+        if it raises, the job goes on unchanged and the error propagates. A non-empty
+        ``job_fingerprint`` must be the job's (``PreconditionError`` otherwise)."""
+        with self._lock:
+            job = self._job
+            if job is None:
+                return None
+            if job_fingerprint and job_fingerprint != job.job_fingerprint:
+                raise PreconditionError(
+                    f"this shard holds job {job.job_fingerprint!r}, not {job_fingerprint!r}: nothing ended"
+                )
+            if self._state is ShardState.ENDING:
+                raise NotReadyError("this shard's job is already being ended; retry")
+            before, self._state = self._state, ShardState.ENDING
+            exported = self._export() if final is not None and before is ShardState.READY else None
+        try:
+            written = final(exported) if exported is not None else None
+        except BaseException:
+            with self._changed:
+                self._state = before
+                self._changed.notify_all()
+            raise
+        with self._changed:
+            ended = EndedJob(job.job_fingerprint, self._version, sum(w.live for w in self._workers.values()), written)
+            self._ended = _Ended(job.job_fingerprint, self._next_worker_id,
+                                 frozenset(w.secret for w in self._workers.values() if w.secret), time.time())
+            for worker in self._workers.values():  # pulls waiting on the bound see it and return
+                worker.live, worker.fenced = False, "its job ended"
+            self._reset_job()
+            self._changed.notify_all()
+        log.info("job %r ended at version %d with %d live worker(s)%s: this shard is empty, ready for a new job",
+                 ended.job_fingerprint, ended.version, ended.workers_live,
+                 "" if written is None else " after its final checkpoint")
+        return ended
+
     # -- checkpoints -------------------------------------------------------------------------
 
     def export(self) -> tuple[int, dict[str, np.ndarray], dict]:
@@ -943,7 +1057,7 @@ class ShardStore:
             return self._export()
 
     def _export(self) -> tuple[int, dict[str, np.ndarray], dict]:
-        # Caller holds _lock; the shard is ready.
+        # Caller holds _lock; the shard is ready (or was, until end_job began).
         assert self._job is not None
         position = snapshot.Position(self._version, self._current_clock(), self._clock_floor, self._open_clock,
                                      self._next_worker_id)

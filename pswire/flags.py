@@ -2,16 +2,20 @@
 then ``<PREFIX>_<FIELD>`` environment variables, then the dataclass defaults (flags win).
 
 Fields carry ``metadata={"help": ..., "choices": ...}``; bool fields become ``--flag`` switches.
+A help text that states its own default (``default: ...``, e.g. "(default: the task's)") is shown
+as written; any other gets "(default: VALUE)" appended, except where there is no value to show
+(None or "": the help says what unset means).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-__all__ = ["add_fields", "parse", "values_from"]
+__all__ = ["add_fields", "add_version", "parse", "values_from", "version"]
 
 T = TypeVar("T")
 _TRUE = ("1", "true", "yes", "on")
@@ -31,7 +35,30 @@ def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
             parser.add_argument(flag, type=_kind(f), default=None, choices=f.metadata.get("choices"),
-                                help=f"{help_text} (default: {f.default})")
+                                help=_with_default(help_text, f.default))
+
+
+def _with_default(help_text: str, default: object) -> str:
+    # argparse's defaults are all None (values_from must see which flags were given), so the
+    # field's default is written into the text instead, at most once.
+    if "default:" in help_text.lower() or default in (None, "", dataclasses.MISSING):
+        return help_text
+    return f"{help_text} (default: {default})"
+
+
+def version() -> str:
+    """The installed psgrpc's version, or "unknown" when it is not installed (run from a
+    source tree without ``pip install``)."""
+    try:
+        return importlib.metadata.version("psgrpc")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: print "PROG VERSION" (``parser.prog``, :func:`version`) and exit 0."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="Print the version and exit.")
 
 
 def values_from(cls: type[T], parser: argparse.ArgumentParser, args: argparse.Namespace,

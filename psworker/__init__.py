@@ -8,6 +8,10 @@
 Identical workers that share the job's data without indices draw it through
 ``psworker.ElasticSampler(session, len(dataset), seed=0)`` (``psworker.elastic``).
 
+The trained model leaves as safetensors named by the model's ``state_dict()`` keys
+(``psworker.export``): ``psworker --save F``, ``psctl export``, or, from a checkpoint directory
+with no shard running, ``model.load_state_dict(psworker.load_checkpoint("/ckpt"))``.
+
 Errors raised are ``pswire.errors`` types (re-exported here): ``PreconditionError`` when the
 model or settings disagree with the job, ``InvalidArgumentError`` for bad input,
 ``UnavailableError`` / ``DeadlineError`` when shards cannot be reached in time,
@@ -35,6 +39,7 @@ from pswire.security import ClientSecurity
 from psworker.api import DistributedOptimizer, Session, connect
 from psworker.client import ClientOptions, PSClient
 from psworker.elastic import DataFeed, ElasticSampler
+from psworker.export import load_checkpoint
 from psworker.tasks import Task, TaskDefaults, evaluate, load_task
 
 __all__ = [
@@ -62,5 +67,6 @@ __all__ = [
     "UnavailableError",
     "connect",
     "evaluate",
+    "load_checkpoint",
     "load_task",
 ]

@@ -111,7 +111,15 @@ class PSClient:
         return results + [f.result(timeout=0) for f in futs]
 
     def wait_connected(self) -> None:
-        self._fan_out(lambda c: c.wait_connected(self.options.connect_timeout), self._clients)
+        """Wait up to ``options.connect_timeout`` for every shard to accept a connection, saying
+        at once what it waits for. Raises ``UnavailableError`` naming a shard that did not, and why."""
+        timeout = self.options.connect_timeout
+        if len(self._clients) == 1:
+            log.info("connecting to shard %s (waiting up to %.0fs for it to answer)", self.addresses[0], timeout)
+        else:
+            log.info("connecting to %d shards, %s (waiting up to %.0fs for each to answer)", len(self._clients),
+                     ", ".join(self.addresses), timeout)
+        self._fan_out(lambda c: c.wait_connected(timeout), self._clients)
 
     def set_placement(self, spec: Sequence[VariableSpec]) -> Placement:
         """Compute the placement of ``spec`` on this job's shards (no RPC)."""
@@ -140,6 +148,7 @@ class PSClient:
         wanted = consistency or Consistency()
         leases: list[float] = []
         positions: list[dict[str, int]] = []
+        joined: list[tuple[int, int]] = []  # (version, live workers) of each shard
 
         def one(index: int) -> bool:
             session = self._sessions[index]
@@ -158,6 +167,7 @@ class PSClient:
             session.clock = session.base_clock = reply.clock
             self.consistency = consistency_from_proto(reply.consistency)
             leases.append(reply.lease_seconds)
+            joined.append((reply.version, reply.workers_live))
             if reply.HasField("data"):
                 positions.append({"step": reply.data.step, "epoch": reply.data.epoch, "position": reply.data.position})
             session.known.clear()
@@ -173,6 +183,13 @@ class PSClient:
             return True
 
         initialised = any(self._fan_out(one, range(self.num_shards)))
+        if not initialised and self._registrations == 0:
+            # Shards hold one job at a time: say so when this worker joins one that was running.
+            version, live = max(v for v, _ in joined), max(n for _, n in joined)
+            if version or live > 1:
+                log.info("%s: joining job %r at version %d, %d worker(s) live (to start a new job instead: "
+                         "psctl end-job --ps %s)", worker_name, job_fingerprint, version, live,
+                         ",".join(c.address for c in self._clients))
         self._registrations += 1
         self._left = False
         self.fenced.clear()
@@ -196,8 +213,9 @@ class PSClient:
                 try:
                     session.client.heartbeat(request, timeout=max(1.0, self.lease_seconds / 3))
                 except errors.FencedError as exc:
-                    with self._lock:  # a registration that was renewed meanwhile is not fenced
-                        current = any(s is session for s in self._sessions) and session.generation == request.generation
+                    with self._lock:  # a registration renewed or left meanwhile is not fenced
+                        current = (not self._left and any(s is session for s in self._sessions)
+                                   and session.generation == request.generation)
                     if current and not self.fenced.is_set():
                         log.warning("%s", exc)
                         self.fenced.set()
@@ -409,6 +427,10 @@ class PSClient:
         """Leave the job on every shard (SSP/sync membership shrinks at once). Best effort:
         errors are logged, not raised, as this runs on the way out."""
         sessions = self._require_sessions()
+        # Before the first Leave: a heartbeat to a shard already left is refused ("left the job:
+        # re-register") while a Leave to another shard is still under way.
+        with self._lock:
+            self._left = True
 
         def one(session: _ShardSession) -> None:
             try:
@@ -419,7 +441,6 @@ class PSClient:
                 log.warning("leaving %s: %s", session.client.address, exc)
 
         self._fan_out(one, sessions)
-        self._left = True
 
     def data(
         self, plan: ps_pb2.DataPlan | None, finished: Sequence[ps_pb2.DataTask] = (), want: int = 0
@@ -449,6 +470,12 @@ class PSClient:
             lambda c: c.checkpoint(ps_pb2.CheckpointRequest(checkpoint_id=checkpoint_id)),
             self._clients,
         )
+
+    def end_job(self, checkpoint_id: int = 0, job_fingerprint: str = "") -> list[ps_pb2.EndJobResponse]:
+        """End the job on every shard (``psctl end-job``), each after writing its part of
+        checkpoint ``checkpoint_id`` when non-zero; replies in shard order."""
+        request = ps_pb2.EndJobRequest(checkpoint_id=checkpoint_id, job_fingerprint=job_fingerprint)
+        return self._fan_out(lambda c: c.end_job(request), self._clients)
 
     def _require_sessions(self) -> list[_ShardSession]:
         with self._lock:

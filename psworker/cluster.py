@@ -21,11 +21,18 @@ one, and ``--steps``/``--epochs`` are the job's length across all of them. The s
 adds the job's data queue as shard 0 reports it at the end (``data``); each worker's steps
 (``worker_steps``, in every summary) differ.
 
+The run directory (certificates, tokens, port files, checkpoints) is a temporary one, deleted at
+exit, unless ``--run-dir DIR`` names one to keep, with every child's output in ``logs/`` and the
+summary in ``summary.json``. The summary is printed last, after every child has stopped.
+
 ``--metrics`` starts every shard and worker with ``--metrics-port 0`` and logs the address each
 one reports (``metrics on http://HOST:PORT/metrics``); ``--metrics-sd-file F`` (which implies
 it) keeps F a Prometheus file-based service discovery file listing them (``docs/metrics.md``),
 rewritten atomically whenever a child, restarted, reports a new address, and emptied when the
 cluster stops.
+
+``--save FILE`` writes the final model it evaluates to FILE as safetensors named by the model's
+``state_dict()`` keys (``psworker.export``), before the shards stop.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pswire.flags import values_from
+from pswire.flags import add_version, values_from
 from pswire.security import TOKEN_ENV, ClientSecurity, make_dev_pki, write_private_file
 from psworker.config import WorkerConfig, build_parser
 
@@ -80,8 +87,10 @@ class _Proc:
     (with the time it came) as its sign of readiness."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: re.Pattern | None = None,
-                 on_metrics: Callable[[str], None] | None = None) -> None:
+                 on_metrics: Callable[[str], None] | None = None, log_file: Path | None = None) -> None:
         self.name = name
+        # Every line, as the child wrote it, also to ``log_file`` (appended: a restart adds to it).
+        self._log = open(log_file, "a", buffering=1) if log_file is not None else None
         self.result: dict | None = None
         self.ready = ready
         self.on_metrics = on_metrics
@@ -103,6 +112,8 @@ class _Proc:
     def _relay(self, stream, is_stdout: bool) -> None:
         for line in stream:
             line = line.rstrip("\n")
+            if self._log is not None:
+                self._log.write(line + "\n")
             if is_stdout and line.startswith("{"):
                 try:
                     self.result = json.loads(line)
@@ -130,6 +141,8 @@ class _Proc:
     def join_output(self, timeout: float = 10.0) -> None:
         for t in self._threads:
             t.join(timeout=timeout)
+        if self._log is not None and not any(t.is_alive() for t in self._threads):
+            self._log.close()
 
 
 class Action(enum.Enum):
@@ -203,6 +216,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
         description="Run N psserver shards and M psworker workers on this machine for one job. "
         "Flags not listed here are passed to every worker (see psworker --help).",
     )
+    add_version(parser)
     parser.add_argument("--shards", type=int, default=2, help="number of shards (default: 2)")
     parser.add_argument("--workers", type=int, default=2, help="number of workers (default: 2)")
     parser.add_argument("--task", default="mnist1d-cnn", help="task to train (default: mnist1d-cnn)")
@@ -218,8 +232,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         "so faster workers train more of it. --steps/--epochs are then the job's length across "
                         "all workers (default: the task's job steps), not each worker's. The summary adds the "
                         "queue's final state (\"data\"); each worker's steps (\"worker_steps\") differ. Without "
-                        "it, worker I of M trains a fixed slice for its own --steps (default: the task's "
-                        "job steps / M)")
+                        "it, worker I of M trains a fixed slice for its own --steps, the task's job steps / M "
+                        "unless given")
     parser.add_argument("--restart", action="store_true",
                         help="restart a shard or worker that dies (non-zero exit or a signal) instead of "
                         "stopping the cluster: a shard on the same port with --restore from the newest "
@@ -243,6 +257,15 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         help="write FILE, a Prometheus file-based service discovery file listing every shard's "
                         "(job psserver) and worker's (job psworker) metrics address, rewritten atomically when a "
                         "restarted child serves on a new port and emptied when the cluster stops; implies --metrics")
+    parser.add_argument("--run-dir", metavar="DIR",
+                        help="keep the run directory in DIR (created; it must be new or empty) instead of a "
+                        "temporary one deleted at exit: every child's output in logs/NAME.log (restarts appended), "
+                        "pscluster's own log in pscluster.log, the summary in summary.json, checkpoints (with "
+                        "--restart) in checkpoints/, and the --tls certificates and --auth tokens")
+    parser.add_argument("--save", metavar="FILE",
+                        help="after the run, write the final model the summary evaluates (the shards' weights, "
+                        "with the task's fresh buffers) to FILE as safetensors named by the model's state_dict() "
+                        "keys, atomically; the summary names it (\"model_file\")")
     parser.add_argument("--auth", action="store_true",
                         help="tokens: write fresh worker, reader and admin tokens to a token file in the run "
                         f"directory (mode 600) for the shards; workers get the worker token through {TOKEN_ENV}, "
@@ -250,6 +273,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         "psctl --token-file")
     args, worker_args = parser.parse_known_args(argv)
     args.metrics = args.metrics or args.metrics_sd_file is not None
+    if args.save is not None and (os.path.isdir(args.save) or not Path(args.save).resolve().parent.is_dir()):
+        parser.error(f"--save {args.save}: give a file in an existing directory")
+    if args.run_dir is not None and Path(args.run_dir).exists() and (
+            not Path(args.run_dir).is_dir() or any(Path(args.run_dir).iterdir())):
+        parser.error(f"--run-dir {args.run_dir}: give a new or empty directory (a run's files must not mix "
+                     "with another's)")
     if args.metrics_sd_file is not None and not Path(args.metrics_sd_file).resolve().parent.is_dir():
         parser.error(f"--metrics-sd-file {args.metrics_sd_file}: its directory does not exist")
     if args.shards < 1 or args.workers < 1:
@@ -474,7 +503,10 @@ class _Cluster:
         name = f"{role}{index}"
         targets = self.metrics
         on_metrics = (lambda address: targets.reported(name, role, index, address)) if targets is not None else None
-        return _Proc(name, argv, env, ready, on_metrics)
+        logs = self.run_dir / "logs" if self.args.run_dir is not None else None
+        if logs is not None:
+            logs.mkdir(exist_ok=True)
+        return _Proc(name, argv, env, ready, on_metrics, logs / f"{name}.log" if logs is not None else None)
 
     def start(self, interrupted: threading.Event) -> None:
         if self.args.restart:
@@ -575,6 +607,8 @@ class _Cluster:
     def stop(self) -> None:
         for child in reversed(self.children):
             child.proc.stop()
+        for child in self.children:  # their last lines (shards' shutdown) are relayed by now
+            child.proc.join_output(timeout=5.0)
         if self.metrics is not None:
             self.metrics.clear()
 
@@ -623,9 +657,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     signal.signal(signal.SIGTERM, lambda *_: interrupted.set())
-    tmp = tempfile.TemporaryDirectory(prefix="pscluster-")
-    cluster = _Cluster(args, worker_args, Path(tmp.name))
+    if args.run_dir is not None:
+        run_dir, tmp = Path(args.run_dir).resolve(), None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / "pscluster.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s pscluster: %(message)s"))
+        logging.getLogger().addHandler(handler)
+        log.info("run directory %s (kept)", run_dir)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="pscluster-")
+        run_dir = Path(tmp.name)
+    cluster = _Cluster(args, worker_args, run_dir)
     started = time.monotonic()
+    summary: dict | None = None
     try:
         cluster.start(interrupted)
         if not cluster.watch(interrupted):
@@ -639,10 +683,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("a worker exited without printing its result")
             return 1
         from psworker.client import ClientOptions
-        from psworker.training import evaluate_job  # imports torch: only once training is done
+        from psworker.tasks import evaluate
+        from psworker.training import pull_task  # imports torch: only once training is done
 
         options = ClientOptions(security=cluster.credentials.evaluation)
-        final = evaluate_job(cluster.ps, args.task, seed=args.seed, options=options)
+        task = pull_task(cluster.ps, args.task, seed=args.seed, options=options)
+        final = evaluate(task.model, task)
+        if args.save is not None:
+            from psworker.export import save_model
+
+            try:
+                save_model(task.model.state_dict(), args.save, metadata={"task": args.task, "source": "pscluster"})
+            except OSError as exc:
+                log.error("cannot save the model to %s: %s", args.save, exc)
+                return 1
+            log.info("saved the final model to %s", args.save)
         losses = [r["final_loss"] for r in results if r["final_loss"] is not None]
         summary = {
             "task": args.task,
@@ -658,13 +713,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "final_loss": sum(losses) / len(losses) if losses else None,
             **final,
             **({"data": data_summary(results, _queue(cluster.ps, options))} if args.elastic else {}),
+            **({"model_file": args.save} if args.save is not None else {}),
             "restarts": [r.record() for r in cluster.recoveries],
             "per_worker": results,
         }
         if args.elastic:
             _log_data(summary["data"], [r["worker"] for r in results])
-        print(json.dumps(summary), flush=True)
-        return 0
     except KeyboardInterrupt:
         log.warning("interrupted; stopping the cluster")
         return 130
@@ -673,7 +727,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         cluster.stop()
-        tmp.cleanup()
+        if tmp is not None:
+            tmp.cleanup()
+    # Last, once every child has stopped and its last lines are relayed: the summary is the
+    # final line on a terminal too.
+    line = json.dumps(summary)
+    if args.run_dir is not None:
+        (run_dir / "summary.json").write_text(line + "\n")
+    print(line, flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 
 from pswire.consistency import Consistency
-from pswire.flags import add_fields, parse
+from pswire.flags import add_fields, add_version, parse
 from pswire.optim import OPTIMIZERS, OptimizerConfig
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security
 
@@ -37,8 +37,8 @@ class WorkerConfig:
                            choices=("drop", "scale"))
     slowdown: float = _f(1.0, "Make this worker this many times slower (a straggler, for tests and demos).")
     steps: int | None = _f(None, "Length in optimizer steps. With dynamic data (no --worker-index): the job's, across "
-                           "all its workers (default: the task's). With --worker-index: this worker's (default: "
-                           "the task's job steps / --num-workers).")
+                           "all its workers; with --worker-index: this worker's (default: the task's job steps, "
+                           "divided by --num-workers with --worker-index).")
     epochs: float | None = _f(None, "Length in passes over the data instead of --steps: the job's with dynamic data, "
                               "this worker's slice with --worker-index.")
     batch_size: int | None = _f(None, "Examples per step (default: the task's).")
@@ -61,7 +61,7 @@ class WorkerConfig:
                                   "the data. Without it the data is dynamic: shard 0 leases data tasks to whichever "
                                   "workers ask, so identical workers can join and leave at any time.")
     num_workers: int | None = _f(None, "Static split: the number of workers sharing the data (with --worker-index; "
-                                 "default 1).")
+                                 "default: 1).")
     data_task_size: int | None = _f(None, "Dynamic data: examples per data task, the unit a worker leases, trains and "
                                     "reports (default: about 256, in whole batches). Every worker must use the same.")
     worker_name: str | None = _f(None, "Stable name of this worker (default: worker-<index>, or <host>-<pid> with "
@@ -71,6 +71,8 @@ class WorkerConfig:
     log_every: float = _f(5.0, "Seconds between progress log lines.")
     rpc_timeout: float = _f(30.0, "Deadline of a small RPC in seconds (transfers get more per byte).")
     connect_timeout: float = _f(60.0, "Seconds to wait for every shard to accept a connection.")
+    retry_timeout: float = _f(120.0, "Seconds a push or pull keeps retrying a shard that is unreachable, too slow or "
+                              "overloaded (one being restarted, say) before the worker gives up.")
     wait_timeout: float = _f(600.0, "Seconds a pull may wait on the ssp/sync bound before failing.")
     wire_dtype: str = _f("none", "Wire compression: send gradients and pull weights as bf16 or fp16 (the shards "
                          "keep full precision); none sends them as they are.", choices=("none", "bf16", "fp16"))
@@ -81,6 +83,9 @@ class WorkerConfig:
     eval_every: int = _f(0, "Evaluate the current model on the test split every N steps (0: only at the end); "
                          "results go to \"evals\" in the JSON line.")
     record_losses: bool = _f(False, "Include every step's loss in the JSON result (\"losses\").", flag=True)
+    save: str | None = _f(None, "At the end, write the final model (after the last pull: the job's weights, with this "
+                          "worker's own buffers) to this file as safetensors named by the model's state_dict() keys, "
+                          "atomically (a temporary file, then a rename); its directory must exist. Unset: no file.")
     log_level: str = _f("INFO", "Logging level.")
     metrics_port: int | None = _f(None, "Serve Prometheus metrics (psworker_* and process_*; docs/metrics.md) at "
                                   "http://METRICS_HOST:PORT/metrics while training; 0 picks a free port, which is "
@@ -131,12 +136,16 @@ class WorkerConfig:
         self.consistency()  # validates the mode's settings
         if self.overlap and (self.local or self.mode != "async"):
             raise ValueError("--overlap needs --mode async and shards (--ps): ssp and sync bound what a step may see")
+        if self.save is not None and (not self.save.strip() or os.path.isdir(self.save)
+                                      or not os.path.isdir(os.path.dirname(os.path.abspath(self.save)))):
+            raise ValueError(f"--save {self.save!r}: give a file in an existing directory")
         if self.eval_every < 0:
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
         if self.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
-        if min(self.log_every, self.rpc_timeout, self.connect_timeout, self.wait_timeout) <= 0:
-            raise ValueError("--log-every, --rpc-timeout, --connect-timeout and --wait-timeout must be > 0")
+        if min(self.log_every, self.rpc_timeout, self.connect_timeout, self.wait_timeout, self.retry_timeout) <= 0:
+            raise ValueError("--log-every, --rpc-timeout, --connect-timeout, --retry-timeout and --wait-timeout "
+                             "must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535 (0: any free port), got {self.metrics_port}")
         if not self.metrics_host.strip():
@@ -214,6 +223,7 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     naming the problem on invalid input."""
     env = os.environ if env is None else env
     parser = build_parser()
+    add_version(parser)  # here, not in build_parser: pscluster checks worker flags with that
     config = parse(WorkerConfig, parser, argv, env, "PSWORKER")
     token = env.get(TOKEN_ENV)
     if token is None or config.token_file or config.local:

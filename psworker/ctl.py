@@ -2,11 +2,14 @@
 
     psctl status --ps HOST:PORT[,HOST:PORT...] [--json]
     psctl checkpoint --ps HOST:PORT[,HOST:PORT...] [--id N]
+    psctl export (--ps HOST:PORT[,HOST:PORT...] | --checkpoint DIR [--id N]) --out FILE
+    psctl end-job --ps HOST:PORT[,HOST:PORT...] [--checkpoint [--id N]]
+    psctl status --ps ... --watch [SECONDS]
 
-Both take ``--tls-ca F [--tls-cert F --tls-key F]`` for shards that serve TLS, and the token from
+They take ``--tls-ca F [--tls-cert F --tls-key F]`` for shards that serve TLS, and the token from
 ``--token-file F`` or the ``PSGRPC_TOKEN`` environment variable for shards that check tokens
-(status needs the reader role, checkpoint the admin role). This module is psctl's configuration
-too: it alone reads its flags and environment.
+(status and export need the reader role, checkpoint and end-job the admin role). This module is psctl's
+configuration too: it alone reads its flags and environment.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from pswire.data import DataPlan
-from pswire.errors import PSError
+from pswire.errors import PreconditionError, PSError
+from pswire.flags import add_version
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security
 from psworker.client import ClientOptions, PSClient
 
@@ -129,14 +133,133 @@ def _add_security(parser: argparse.ArgumentParser, role: str) -> None:
                         f"default: the {TOKEN_ENV} environment variable")
 
 
-def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog="psctl", description="Inspect parameter-server shards.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _client(args: argparse.Namespace, security: ClientSecurity | None) -> PSClient:
+    options = ClientOptions(timeout=args.timeout, connect_timeout=min(args.timeout, 10.0), security=security)
+    client = PSClient(args.ps, options)
+    try:
+        client.wait_connected()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _checkpoint(args: argparse.Namespace, security: ClientSecurity | None) -> int:
+    with _client(args, security) as client:
+        checkpoint_id = args.id
+        if checkpoint_id is None:
+            checkpoint_id = default_checkpoint_id(time.time(), (s.last_checkpoint_id for s in client.status()))
+        replies = client.checkpoint(checkpoint_id)
+    for r in replies:
+        print(f"checkpoint {r.checkpoint_id}: {r.path} (version {r.version})")
+    complete = any(r.complete for r in replies)
+    print(f"checkpoint {checkpoint_id} {'complete' if complete else 'INCOMPLETE'} on {len(replies)} shard(s)")
+    return 0 if complete else 1
+
+
+def _end_job(args: argparse.Namespace, security: ClientSecurity | None) -> int:
+    with _client(args, security) as client:
+        statuses = client.status()
+        jobs = {s.job_fingerprint for s in statuses if s.state != "empty"}
+        if not jobs:
+            print(f"no job to end: every shard of {args.ps} is empty")
+            return 0
+        if len(jobs) > 1:
+            raise PreconditionError(f"the shards hold different jobs ({', '.join(map(repr, sorted(jobs)))}): "
+                                    "end each shard's job with its own psctl end-job")
+        (fingerprint,) = jobs
+        checkpoint_id = 0
+        if args.checkpoint:
+            checkpoint_id = args.id or default_checkpoint_id(time.time(), (s.last_checkpoint_id for s in statuses))
+        try:
+            replies = client.end_job(checkpoint_id, fingerprint)
+        except PSError as exc:
+            # One shard refused (its final checkpoint failed, say); the others may have ended.
+            after = client.status()
+            left = [s.address for s in after if s.state != "empty"]
+            raise PSError(f"{exc}; still holding the job: {', '.join(left) or 'none'} "
+                          "(run psctl end-job again once the cause is fixed)") from exc
+    for shard, reply in zip(statuses, replies):
+        if not reply.ended:
+            print(f"{shard.address}: held no job")
+            continue
+        line = (f"{shard.address}: ended job {reply.job_fingerprint!r} at version {reply.version}, "
+                f"{reply.workers_live} worker(s) live")
+        print(line + (f"; final checkpoint part {reply.checkpoint_path}" if reply.checkpoint_path else ""))
+    if checkpoint_id:
+        complete = any(r.checkpoint_complete for r in replies)
+        print(f"final checkpoint {checkpoint_id} {'complete' if complete else 'INCOMPLETE'}")
+        if not complete:
+            return 1
+    print(f"job {fingerprint!r} ended on {sum(r.ended for r in replies)} shard(s); they accept a new job")
+    return 0
+
+
+def _rates(before: list[dict] | None, after: list[dict], seconds: float) -> str:
+    """Pushes applied and version steps per second across the shards since the last refresh."""
+    if not before or seconds <= 0 or len(before) != len(after):
+        return "rates: - (first sample)"
+    pushes = sum(a["pushes_applied"] - b["pushes_applied"] for a, b in zip(after, before)) / seconds
+    versions = sum(a["version"] - b["version"] for a, b in zip(after, before)) / seconds
+    return f"rates: {pushes:.1f} pushes applied/s, {versions:.1f} versions/s (all shards, last {seconds:.1f}s)"
+
+
+def _watch(args: argparse.Namespace, security: ClientSecurity | None, out=sys.stdout) -> int:
+    """``status --watch``: the status every ``args.watch`` seconds until Ctrl-C, redrawn in place
+    on a terminal, one block (or one JSON line with ``--json``) per refresh otherwise."""
+    clear = "\x1b[H\x1b[2J" if out.isatty() and not args.json else ""
+    with PSClient(args.ps, ClientOptions(timeout=args.timeout, connect_timeout=args.timeout,
+                                         security=security)) as client:
+        before: list[dict] | None = None
+        last = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                stamp = time.strftime("%H:%M:%S")
+                try:
+                    shards = [_plain(s) for s in client.status()]
+                except PSError as exc:
+                    shards, problem = None, str(exc)
+                if args.json:
+                    record = {"time": time.time(), "shards": shards} if shards is not None else \
+                        {"time": time.time(), "error": problem}
+                    out.write(json.dumps(record) + "\n")
+                elif shards is not None:
+                    out.write(f"{clear}psctl status {args.ps} at {stamp}, every {args.watch:g}s (Ctrl-C to stop)\n"
+                              f"{_table(shards)}\n{_rates(before, shards, now - last)}\n\n")
+                else:
+                    out.write(f"{clear}psctl status {args.ps} at {stamp}: {problem}; trying again in "
+                              f"{args.watch:g}s\n\n")
+                out.flush()
+                if shards is not None:
+                    before, last = shards, now
+                time.sleep(max(args.watch - (time.monotonic() - now), 0.0))
+        except KeyboardInterrupt:
+            return 0
+
+
+def _export(args: argparse.Namespace, security: ClientSecurity | None) -> int:
+    from psworker.export import export
+
+    options = ClientOptions(timeout=args.timeout, connect_timeout=args.timeout, security=security)
+    print(export(args.out, ps=args.ps, checkpoint=args.checkpoint, checkpoint_id=args.id, options=options))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psctl", description="Inspect and operate a job's parameter-server shards.",
+        epilog="Each command's flags: psctl COMMAND --help.",
+    )
+    add_version(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     status = sub.add_parser("status", help="per shard: variables, bytes, version, workers, pushes; the data "
-                            "queue of a job with dynamic data")
+                            "queue of a job with dynamic data (--watch: live)")
     status.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...]")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                        help="refresh every SECONDS (2 when not given) until Ctrl-C, with the push rate since "
+                        "the last refresh; with --json one JSON line per refresh")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default: 10)")
     _add_security(status, "reader")
     ckpt = sub.add_parser("checkpoint", help="write a checkpoint on every shard now")
@@ -146,36 +269,54 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
                       "or one past the newest id the shards report if that is later)")
     ckpt.add_argument("--timeout", type=float, default=300.0, help="seconds per call (default: 300)")
     _add_security(ckpt, "admin")
+    export = sub.add_parser("export", help="write the job's model to a safetensors file, from the running shards "
+                            "(--ps) or from a checkpoint directory with no shard running (--checkpoint)")
+    source = export.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ps", help="HOST:PORT[,HOST:PORT...], every shard of the job in shard order")
+    source.add_argument("--checkpoint", metavar="DIR", help="a checkpoint root (psserver --checkpoint-dir; the "
+                        "newest complete checkpoint) or one checkpoint's ckpt-N directory")
+    export.add_argument("--id", type=int, default=None,
+                        help="with --checkpoint: read checkpoint N (default: the newest complete one)")
+    export.add_argument("--out", required=True, help="the file to write (atomically)")
+    export.add_argument("--timeout", type=float, default=60.0, help="seconds per call (default: 60)")
+    _add_security(export, "reader")
+    end = sub.add_parser("end-job", help="end the job on every shard (optionally after a final checkpoint); the "
+                         "shards then accept a new job, and the ended job's workers are refused for good")
+    end.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...], every shard of the job")
+    end.add_argument("--checkpoint", action="store_true",
+                     help="first write a final checkpoint of the job (shards need --checkpoint-dir); if it "
+                     "fails the job goes on")
+    end.add_argument("--id", type=int, default=None, help="with --checkpoint: its id (default as psctl checkpoint)")
+    end.add_argument("--timeout", type=float, default=300.0, help="seconds per call (default: 300)")
+    _add_security(end, "admin")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    parser = _parser()
     args = parser.parse_args(argv)
+    if getattr(args, "id", None) is not None and args.id < 1:
+        parser.error(f"--id must be >= 1, got {args.id}")
+    if getattr(args, "watch", None) is not None and args.watch <= 0:
+        parser.error(f"--watch must be a positive number of seconds, got {args.watch:g}")
     try:
         security = client_security(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                    token_file=args.token_file, env_token=env.get(TOKEN_ENV))
     except ValueError as exc:
         parser.error(str(exc))
-    if args.command == "checkpoint":
-        if args.id is not None and args.id < 1:
-            parser.error(f"--id must be >= 1, got {args.id}")
-        checkpoint_id = args.id
-        try:
-            options = ClientOptions(timeout=args.timeout, connect_timeout=10, security=security)
-            with PSClient(args.ps, options) as client:
-                client.wait_connected()
-                if checkpoint_id is None:
-                    checkpoint_id = default_checkpoint_id(time.time(), (s.last_checkpoint_id for s in client.status()))
-                replies = client.checkpoint(checkpoint_id)
-        except (PSError, ValueError) as exc:
-            print(f"psctl: {exc}", file=sys.stderr)
-            return 1
-        for r in replies:
-            print(f"checkpoint {r.checkpoint_id}: {r.path} (version {r.version})")
-        complete = any(r.complete for r in replies)
-        print(f"checkpoint {checkpoint_id} {'complete' if complete else 'INCOMPLETE'} on {len(replies)} shard(s)")
-        return 0 if complete else 1
+    command = {"checkpoint": _checkpoint, "end-job": _end_job, "export": _export}.get(args.command)
+    if command is None:
+        command = _watch if args.watch is not None else _show
     try:
-        shards = _status(args.ps, args.timeout, security)
-    except (PSError, ValueError) as exc:
+        return command(args, security)
+    except (PSError, ValueError, OSError) as exc:
         print(f"psctl: {exc}", file=sys.stderr)
         return 1
+
+
+def _show(args: argparse.Namespace, security: ClientSecurity | None) -> int:
+    shards = _status(args.ps, args.timeout, security)
     print(json.dumps(shards, indent=2) if args.json else _table(shards))
     return 0
 

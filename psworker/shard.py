@@ -127,7 +127,7 @@ class ClientOptions:
     ``(push, pull, wait)`` (see ``PSClient``; a hook for metrics; it must not raise)."""
 
     def __post_init__(self) -> None:
-        if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout) <= 0:
+        if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout, self.retry_timeout) <= 0:
             raise ValueError("timeouts and min_bandwidth must be > 0")
         if not 1024 <= self.chunk_bytes < (4 << 20):
             raise ValueError("chunk_bytes must be between 1 KiB and 4 MiB")
@@ -148,6 +148,25 @@ class ClientOptions:
 
 _TRANSIENT = (errors.UnavailableError, errors.DeadlineError, errors.OverloadedError)
 
+_MAX_BACKOFF = 2.0
+"""Longest pause between attempts at a shard that is unreachable or slow: the channel's own
+reconnection backoff (``grpc.max_reconnect_backoff_ms``), so that a restarted shard is found
+again within a few seconds."""
+_MAX_OVERLOAD_BACKOFF = 5.0
+"""Longest pause after a shard turned a call away as overloaded (longer: the callers it turned
+away together spread out)."""
+_REPORT_EVERY = 15.0
+"""Seconds between the warnings that a shard is still unreachable while a call keeps retrying,
+or still does not answer while a worker waits to connect."""
+_FIRST_REPORT = 1.0
+"""Seconds ``ShardClient.wait_connected`` waits in silence before it says why the shard does not
+answer (a shard that is up answers within milliseconds)."""
+_PROBE_TIMEOUT = 2.0
+"""Deadline of the health check that finds out why a shard does not answer."""
+_LEAVE_TIMEOUT = 5.0
+"""Deadline of a Leave (at most ``ClientOptions.timeout``): it runs on the way out, and a shard
+that does not answer it evicts the worker when its lease runs out anyway."""
+
 
 def _retrying(call, options: ClientOptions, address: str, what: str,
               retry: tuple[type[errors.PSError], ...] = _TRANSIENT, within: float | None = None):
@@ -155,24 +174,88 @@ def _retrying(call, options: ClientOptions, address: str, what: str,
     does not answer in time (a restart, a partition) or turns the call away as overloaded (the
     errors in ``retry``), for up to ``within`` seconds (default ``options.retry_timeout``). A
     retried push carries the same sequence number, so a shard that did apply it acknowledges it
-    again instead of applying it twice; an overloaded call never ran at all."""
+    again instead of applying it twice; an overloaded call never ran at all.
+
+    Calls to an unreachable shard fail at once (no ``wait_for_ready``), so the budget is spent
+    on attempts a couple of seconds apart rather than on one call's deadline. Raises the last
+    error's type once the budget is spent, naming the shard, the reason, since when it has
+    failed and how many attempts were made."""
     within = options.retry_timeout if within is None else within
-    deadline = time.monotonic() + within
+    started = time.monotonic()
+    deadline = started + within
+    since = 0.0  # the first failure's wall-clock time, as the logs show time
     backoff = 0.1
+    attempts = 0
+    reported = started
     while True:
+        attempts += 1
         try:
-            return call()
+            result = call()
         except retry as exc:
-            # Jitter, so that the callers an overloaded shard turned away together do not return together.
-            pause = backoff * random.uniform(0.5, 1.0)
-            if time.monotonic() + pause > deadline:
-                raise type(exc)(f"{exc} (gave up after {within:.0f}s)") from exc
-            level = logging.INFO if isinstance(exc, errors.OverloadedError) else logging.WARNING
-            log.log(level, "%s to %s failed (%s); retrying in %.2fs", what, address, exc, pause)
+            overloaded = isinstance(exc, errors.OverloadedError)
+            now = time.monotonic()
+            if attempts == 1:
+                since = time.time()
+            if now >= deadline:
+                raise type(exc)(
+                    f"{exc} since {_clock(since)}; giving up on {what} after {now - started:.0f}s "
+                    f"({attempts} attempt{'s' if attempts > 1 else ''})"
+                ) from exc
+            # Jitter, so that the callers an overloaded shard turned away together do not return
+            # together; the last attempt comes when the budget runs out.
+            pause = min(backoff * random.uniform(0.5, 1.0), deadline - now)
+            if overloaded:
+                log.info("%s to %s failed (%s); retrying in %.2fs", what, address, exc, pause)
+            elif attempts == 1:
+                log.warning("%s to %s failed (%s); retrying for up to %.0fs", what, address, exc, deadline - now)
+            elif now - reported >= _REPORT_EVERY:
+                reported = now
+                log.warning("%s to %s still failing (%s since %s, %d attempts); retrying for %.0fs more",
+                            what, address, exc, _clock(since), attempts, deadline - now)
+            else:
+                log.debug("%s to %s failed (%s); retrying in %.2fs", what, address, exc, pause)
             if options.on_retry is not None:
                 options.on_retry(what)
             threading.Event().wait(pause)  # a plain timed wait; nothing can end it early
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, _MAX_OVERLOAD_BACKOFF if overloaded else _MAX_BACKOFF)
+        else:
+            if attempts > 1:
+                log.info("%s to %s went through after %.1fs and %d attempts", what, address,
+                         time.monotonic() - started, attempts)
+            return result
+
+
+def _clock(wall: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(wall))
+
+
+_CONNECTION_FAILURES = (
+    ("connection refused", "connection refused"),
+    ("no route to host", "no route to host"),
+    ("network is unreachable", "network unreachable"),
+    ("domain name not found", "its host name does not resolve"),
+    ("errors resolving", "its host name does not resolve"),
+    ("handshake", "TLS handshake failed"),
+    ("connection reset", "connection reset"),
+    ("socket closed", "connection lost"),
+    ("broken pipe", "connection lost"),
+    ("connection timed out", "connection timed out"),
+    ("failed to connect to all addresses", "cannot connect"),
+)
+"""Pieces of gRPC's own UNAVAILABLE details (the C core's, never a shard's) and what they mean,
+first match wins: gRPC says "failed to connect to all addresses; last error: ... Connection
+refused"."""
+
+
+def _unreachable(details: str) -> str | None:
+    """Why gRPC could not reach a shard, from an UNAVAILABLE's details; None when the shard
+    itself sent it (it is reachable: "not initialised", a lease not yet expired, ...)."""
+    lower = (details or "").lower()
+    for piece, reason in _CONNECTION_FAILURES:
+        if piece in lower:
+            # A TLS failure or an unknown one keeps gRPC's words: they say which certificate, say.
+            return reason if reason not in ("TLS handshake failed", "cannot connect") else f"{reason} ({details})"
+    return None
 
 
 def _overloaded(exc: grpc.RpcError, details: str) -> bool:
@@ -190,13 +273,21 @@ def _translate(exc: grpc.RpcError, address: str) -> errors.PSError:
     cls = _CODE_TO_ERROR.get(code, errors.PSError)
     if cls is errors.TooLargeError and _overloaded(exc, details):
         cls = errors.OverloadedError
+    reason = _unreachable(details) if code is grpc.StatusCode.UNAVAILABLE else None
+    if reason is not None:
+        return cls(f"shard {address} unreachable: {reason}")
     # Only a refused token gets the hint (UNAUTHENTICATED also answers a wrong session secret).
     hint = _HINTS.get(cls) if "token" in (details or "") else None
     return cls(f"shard {address}: {details} ({code.name})" + (f"; {hint}" if hint else ""))
 
 
 class ShardClient:
-    """Calls to one shard. Every call has a deadline; errors are ``pswire.errors`` types."""
+    """Calls to one shard. Every call has a deadline; errors are ``pswire.errors`` types.
+
+    No call waits for the connection (``wait_for_ready``): once :meth:`wait_connected` has
+    found the shard, a call to a shard that went away fails at once as ``UnavailableError``
+    ("shard H:P unreachable: connection refused"), and the retrying caller decides how long to
+    keep trying (``_retrying``), instead of each attempt waiting out its whole deadline."""
 
     def __init__(self, address: str, options: ClientOptions) -> None:
         self.address = address
@@ -247,31 +338,87 @@ class ShardClient:
             path + "Initialize", request_serializer=frames.serialize,
             response_deserializer=ps_pb2.InitializeResponse.FromString, _registered_method=True,
         )
+        # The standard health check, as raw bytes (an empty HealthCheckRequest asks about the
+        # server as a whole): ``_diagnose`` needs only gRPC's reason when it fails.
+        self._health_check = self._channel.unary_unary("/grpc.health.v1.Health/Check")
         self._pull_stream = self._channel.unary_stream(
             path + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=frames.decoder(ps_pb2.PullMessage), _registered_method=True,
         )
 
     def wait_connected(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the shard to accept a connection (it may still be
+        starting). Says why not after a second (nothing answers, the name does not resolve, a
+        failed TLS handshake) and again every ``_REPORT_EVERY`` seconds. Raises
+        ``UnavailableError`` naming the address and the reason."""
+        ready = grpc.channel_ready_future(self._channel)
+        started = time.monotonic()
+        deadline = started + timeout
+        report_at = started + _FIRST_REPORT
+        why: str | None = None
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            security = self.options.security
-            if security is not None and security.tls:
-                hint = (f"a failed TLS handshake looks the same: check that --tls-ca signed the shard's "
-                        f"certificate, that the certificate names {host_of(self.address)}, that the shard serves "
-                        "TLS, and give --tls-cert/--tls-key if it requires client certificates")
-            else:
-                hint = "if the shard serves TLS, give --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
-            raise errors.UnavailableError(
-                f"shard {self.address} did not accept a connection within {timeout:.0f}s ({hint})"
-            ) from None
+            while True:
+                try:
+                    ready.result(timeout=max(0.0, min(report_at, deadline) - time.monotonic()))
+                except grpc.FutureTimeoutError:
+                    pass
+                else:
+                    if why is not None:
+                        log.info("shard %s answers (after %.0fs)", self.address, time.monotonic() - started)
+                    return
+                why = self._diagnose(max(0.1, min(_PROBE_TIMEOUT, deadline - time.monotonic()))) or why
+                now = time.monotonic()
+                if now >= deadline:
+                    raise errors.UnavailableError(
+                        f"shard {self.address} did not accept a connection within {timeout:.0f}s: {self._explain(why)}"
+                    ) from None
+                if why is not None and report_at == started + _FIRST_REPORT:
+                    explained = self._explain(why, first=True)
+                    log.warning("%s%s up to %.0fs more for it to start", explained,
+                                " Waiting" if explained.endswith("?") else "; waiting", deadline - now)
+                elif why is not None:
+                    log.info("still waiting for shard %s (%s) after %.0fs; up to %.0fs more", self.address, why,
+                             now - started, deadline - now)
+                report_at = now + _REPORT_EVERY
+        finally:
+            ready.cancel()
 
-    def _call(self, method, request, *, nbytes: int = 0, timeout: float | None = None, wait_for_ready: bool = True):
+    def _diagnose(self, timeout: float) -> str | None:
+        """Why the shard cannot be reached, from one health check that does not wait for the
+        connection (gRPC's reason: "connection refused", ...); None when it answers."""
+        try:
+            self._health_check(b"", timeout=timeout, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code is grpc.StatusCode.UNAVAILABLE:
+                return _unreachable(exc.details()) or exc.details()
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"no answer within {timeout:.0f}s"
+        return None  # answered, if only to refuse the call: it is reachable
+
+    def _explain(self, why: str | None, *, first: bool = False) -> str:
+        """``why`` (``_diagnose``) as the sentence a user reads, with what to check."""
+        if why == "connection refused":
+            if first:
+                return f"nothing answers at {self.address} (connection refused): is psserver running there?"
+            return f"nothing answers there (connection refused): is psserver running at {self.address}?"
+        prefix = f"shard {self.address} unreachable: " if first else ""
+        if why is not None and "does not resolve" in why:
+            return f"{prefix}{why}: check the host in --ps ({host_of(self.address)})"
+        security = self.options.security
+        if security is not None and security.tls:
+            hint = (f"check that --tls-ca signed the shard's certificate, that the certificate names "
+                    f"{host_of(self.address)}, that the shard serves TLS, and give --tls-cert/--tls-key if it "
+                    "requires client certificates")
+        else:
+            hint = "if the shard serves TLS, give --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
+        return f"{prefix}{why or 'no connection'} ({hint})"
+
+    def _call(self, method, request, *, nbytes: int = 0, timeout: float | None = None):
         try:
             return method(
                 request, timeout=self.options.deadline(nbytes) if timeout is None else timeout,
-                wait_for_ready=wait_for_ready, metadata=self._metadata,
+                wait_for_ready=False, metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             raise _translate(exc, self.address) from exc
@@ -323,7 +470,7 @@ class ShardClient:
         try:
             if stage is not None:
                 lane.stage(*stage, timeout)
-            call = method.future(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+            call = method.future(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
             if receive is not None:
                 # A call that fails never sends on the lane: wake the reader instead of waiting.
                 call.add_done_callback(lambda c: c.code() is not grpc.StatusCode.OK and lane.abort())
@@ -363,13 +510,16 @@ class ShardClient:
         return header, versions
 
     def leave(self, request: ps_pb2.LeaveRequest) -> None:
+        """Leave the job on this shard, within ``_LEAVE_TIMEOUT`` (it runs on the way out; an
+        unreachable shard fails it at once). Raises ``pswire.errors`` errors."""
         # Leave is never capped by admission control; gRPC's own limit may still turn it away.
-        _retrying(lambda: self._call(self._stub.Leave, request), self.options, self.address, "leave",
-                  retry=(errors.OverloadedError,), within=self.options.timeout)
+        timeout = min(self.options.timeout, _LEAVE_TIMEOUT)
+        _retrying(lambda: self._call(self._stub.Leave, request, timeout=timeout), self.options, self.address,
+                  "leave", retry=(errors.OverloadedError,), within=timeout)
 
     def heartbeat(self, request: ps_pb2.HeartbeatRequest, timeout: float) -> ps_pb2.HeartbeatResponse:
-        # No wait_for_ready: a heartbeat to an unreachable shard fails fast and the next one retries.
-        return self._call(self._stub.Heartbeat, request, timeout=timeout, wait_for_ready=False)
+        # A heartbeat to an unreachable shard fails fast and the next one retries.
+        return self._call(self._stub.Heartbeat, request, timeout=timeout)
 
     def data(self, request: ps_pb2.DataRequest) -> ps_pb2.DataResponse:
         """Retried while the shard is unreachable or overloaded: a repeat is harmless, as every
@@ -380,6 +530,11 @@ class ShardClient:
         """Retried only while the shard turns it away as overloaded (it then never started)."""
         return _retrying(lambda: self._call(self._stub.Checkpoint, request), self.options, self.address,
                          "checkpoint", retry=(errors.OverloadedError,), within=self.options.timeout)
+
+    def end_job(self, request: ps_pb2.EndJobRequest) -> ps_pb2.EndJobResponse:
+        """Retried only while the shard turns it away as overloaded (it then never started)."""
+        return _retrying(lambda: self._call(self._stub.EndJob, request), self.options, self.address,
+                         "end-job", retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
@@ -402,9 +557,9 @@ class ShardClient:
             return received
         try:
             if nbytes <= self.options.inline_bytes:
-                reply = self._stub.PullInline(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+                reply = self._stub.PullInline(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
                 return self._write_inline(reply, destinations)
-            stream = self._pull_stream(request, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+            stream = self._pull_stream(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
             first = next(stream, None)
             if not isinstance(first, ps_pb2.PullMessage) or first.WhichOneof("kind") != "header":
                 raise errors.PSError(f"shard {self.address}: pull stream did not start with a header")
@@ -451,7 +606,7 @@ class ShardClient:
             receive = lambda: self._receive_on_lane(lane, token, destinations, timeout)  # noqa: E731
         if lane is None:
             try:
-                reply = self._stub.PushPull(call, timeout=timeout, wait_for_ready=True, metadata=self._metadata)
+                reply = self._stub.PushPull(call, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
             except grpc.RpcError as exc:
                 raise _translate(exc, self.address) from exc
             return (reply.push, *self._write_inline(reply.pull, destinations))

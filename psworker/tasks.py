@@ -12,13 +12,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import logging
 import math
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,11 +111,28 @@ class Task:
             raise ValueError(f"task {self.name!r}: defaults must be a TaskDefaults")
 
 
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    # Importing matplotlib builds its font cache, once per MPLCONFIGDIR, and says so at INFO
+    # ("generated new fontManager"), which reads as the worker's own news in its log. Its
+    # warnings still show, and a level someone set on that logger is left alone.
+    logger = logging.getLogger(logger_name)
+    if logger.level != logging.NOTSET:
+        yield
+        return
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(logging.NOTSET)
+
+
 @functools.lru_cache(maxsize=1)
 def _mnist1d_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     # mnist1d imports matplotlib.pyplot; a headless worker must not need a display.
     os.environ.setdefault("MPLBACKEND", "Agg")
-    from mnist1d.data import get_dataset_args, make_dataset
+    with _quiet("matplotlib"):
+        from mnist1d.data import get_dataset_args, make_dataset
 
     # make_dataset reseeds the global `random` and numpy RNGs (fixed seed 42, so the data
     # is the same for every task seed); restore them so callers' randomness is untouched.

@@ -1,5 +1,5 @@
 """The worker's training loop: its slice of the data, steps against the shards (or locally),
-progress reporting, and the final evaluation."""
+progress reporting, the final evaluation, and (``--save``) the final model as safetensors."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from psworker.tasks import Task, evaluate, load_task
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["DataSlice", "resolve_device", "train"]
+__all__ = ["DataSlice", "evaluate_job", "pull_task", "resolve_device", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
     else:
         options = ClientOptions(
             timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
+            retry_timeout=config.retry_timeout,
             wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk, security=config.security,
             on_retry=metrics.retried if metrics is not None else None,
             on_exchange=metrics.exchanged if metrics is not None else None,
@@ -268,6 +269,8 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         final = evaluate(model, task)
         if metrics is not None:
             metrics.evaluated(final)
+        if config.save is not None:
+            _save(model, config, step)
     finally:
         progress.close()
         if feed is not None:
@@ -293,6 +296,7 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         **({"data": {"mode": "dynamic", "tasks": feed.tasks, "examples": feed.examples,
                      "wait_seconds": round(feed.wait_seconds, 3), "stopped": stopped,
                      "job": plan.to_dict()}} if feed is not None else {}),
+        **({"model_file": config.save} if config.save is not None else {}),
         **({"losses": losses} if config.record_losses else {}),
         **({"evals": evals + [{"step": step, "seconds": round(seconds, 3), **final}]} if config.eval_every else {}),
     }
@@ -368,9 +372,23 @@ def _local_optimizer(model: torch.nn.Module, c) -> torch.optim.Optimizer:
                                eps=c.eps, initial_accumulator_value=c.initial_accumulator_value)
 
 
-def evaluate_job(ps: str, task_spec: str, *, seed: int = 0, options: ClientOptions | None = None) -> dict:
-    """Pull the job's current weights (without joining it) and evaluate them on the task's test
-    split. Raises ``PreconditionError`` when the shards hold a different model."""
+def _save(model: torch.nn.Module, config: WorkerConfig, step: int) -> None:
+    """``--save``: the final model as safetensors. Raises ``ValueError`` naming the file when it
+    cannot be written (the training's result is then lost with it: say so loudly)."""
+    from psworker.export import save_model
+
+    try:
+        save_model(model.state_dict(), config.save, metadata={"task": config.task, "worker": config.name,
+                                                              "step": str(step)})
+    except OSError as exc:
+        raise ValueError(f"--save: cannot write the model to {config.save}: {exc}") from exc
+    log.info("%s saved the final model to %s", config.name, config.save)
+
+
+def pull_task(ps: str, task_spec: str, *, seed: int = 0, options: ClientOptions | None = None) -> Task:
+    """Task ``task_spec`` (built with ``seed``) with the job's current weights pulled into its
+    model, without joining the job (its buffers stay the fresh model's: the shards hold
+    parameters only). Raises ``PreconditionError`` when the shards hold a different model."""
     from pswire.errors import PreconditionError
     from pswire.placement import model_spec
     from psworker.client import PSClient
@@ -384,4 +402,11 @@ def evaluate_job(ps: str, task_spec: str, *, seed: int = 0, options: ClientOptio
         if digests != {placement.digest()}:
             raise PreconditionError(f"the shards hold a different model than task {task_spec!r}")
         client.pull(params, skip_unchanged=False)
+    return task
+
+
+def evaluate_job(ps: str, task_spec: str, *, seed: int = 0, options: ClientOptions | None = None) -> dict:
+    """Pull the job's current weights (without joining it, :func:`pull_task`) and evaluate them
+    on the task's test split. Raises ``PreconditionError`` when the shards hold a different model."""
+    task = pull_task(ps, task_spec, seed=seed, options=options)
     return evaluate(task.model, task)

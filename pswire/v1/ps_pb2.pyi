@@ -105,7 +105,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds", "data", "bulk_port", "session")
+    __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds", "data", "bulk_port", "session", "workers_live")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MUST_INITIALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class RegisterResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_LIVE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     must_initialize: bool
@@ -126,7 +127,8 @@ class RegisterResponse(_message.Message):
     data: DataPosition
     bulk_port: int
     session: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., bulk_port: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
+    workers_live: int
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., must_initialize: _Optional[bool] = ..., version: _Optional[int] = ..., clock: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., bulk_port: _Optional[int] = ..., session: _Optional[bytes] = ..., workers_live: _Optional[int] = ...) -> None: ...
 
 class DataPosition(_message.Message):
     __slots__ = ("step", "epoch", "position")
@@ -249,6 +251,30 @@ class CheckpointResponse(_message.Message):
     version: int
     complete: bool
     def __init__(self, checkpoint_id: _Optional[int] = ..., path: _Optional[str] = ..., version: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class EndJobRequest(_message.Message):
+    __slots__ = ("checkpoint_id", "job_fingerprint")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: int
+    job_fingerprint: str
+    def __init__(self, checkpoint_id: _Optional[int] = ..., job_fingerprint: _Optional[str] = ...) -> None: ...
+
+class EndJobResponse(_message.Message):
+    __slots__ = ("ended", "job_fingerprint", "version", "workers_live", "checkpoint_path", "checkpoint_complete")
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ended: bool
+    job_fingerprint: str
+    version: int
+    workers_live: int
+    checkpoint_path: str
+    checkpoint_complete: bool
+    def __init__(self, ended: _Optional[bool] = ..., job_fingerprint: _Optional[str] = ..., version: _Optional[int] = ..., workers_live: _Optional[int] = ..., checkpoint_path: _Optional[str] = ..., checkpoint_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "generation", "session")

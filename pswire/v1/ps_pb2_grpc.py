@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_v1_dot_ps__pb2.DataRequest.SerializeToString,
                 response_deserializer=pswire_dot_v1_dot_ps__pb2.DataResponse.FromString,
                 _registered_method=True)
+        self.EndJob = channel.unary_unary(
+                '/pswire.v1.ParameterServer/EndJob',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.EndJobRequest.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.EndJobResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -183,6 +188,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndJob(self, request, context):
+        """End the job, optionally after a final checkpoint (admin); the shard then accepts a new job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +257,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Data,
                     request_deserializer=pswire_dot_v1_dot_ps__pb2.DataRequest.FromString,
                     response_serializer=pswire_dot_v1_dot_ps__pb2.DataResponse.SerializeToString,
+            ),
+            'EndJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndJob,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.EndJobRequest.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.EndJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -571,6 +588,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/Data',
             pswire_dot_v1_dot_ps__pb2.DataRequest.SerializeToString,
             pswire_dot_v1_dot_ps__pb2.DataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/EndJob',
+            pswire_dot_v1_dot_ps__pb2.EndJobRequest.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.EndJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

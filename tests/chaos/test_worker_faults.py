@@ -1,10 +1,17 @@
 """Worker faults with real processes: a worker killed with SIGKILL is evicted within its lease
 and never blocks the others; a worker frozen past its lease is fenced off, re-registers, and its
-late gradient is never applied."""
+late gradient is never applied.
+
+These run beside the rest of the suite on two busy cores, so nothing here assumes an idle
+machine: waits end on the condition (the named worker evicted), with deadlines of the lease plus
+``LOAD_MARGIN``, and how soon an eviction came is read from the shard's own account ("no
+heartbeat for 4.6s") rather than timed from outside through status polls, each a connection of
+its own that a loaded machine can hold up for seconds."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -13,11 +20,20 @@ import time
 import pytest
 
 from psworker.client import ClientOptions, PSClient
-from tests.conftest import ROOT, child_env, wait_until
+from tests.conftest import ROOT, ShardProcess, child_env, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-LEASE = 2.0
+LEASE = 4.0
+"""The shards' lease. A worker heartbeats three times per lease, so a healthy worker descheduled
+for a second or two on a loaded machine still renews in time (with 2 s, a full-suite run could
+evict a healthy worker, which these tests would take for the victim)."""
+LOAD_MARGIN = 60.0
+"""Added to every wait for what the lease promises. A wait ends as soon as its condition holds,
+so the margin costs nothing when the machine is idle."""
+REAPER_SLACK = 3.0
+"""How much longer than the lease plus one reaper period (a quarter lease) a worker may stay
+silent before the shard evicts it: the reaper's thread waiting for a core."""
 
 
 def _worker(ps: str, index: int, count: int, *extra: str) -> subprocess.Popen:
@@ -29,8 +45,27 @@ def _worker(ps: str, index: int, count: int, *extra: str) -> subprocess.Popen:
 
 
 def _status(ps: str):
-    with PSClient(ps, ClientOptions(timeout=10, connect_timeout=10)) as client:
+    with PSClient(ps, ClientOptions(timeout=30, connect_timeout=30)) as client:
         return client.status()
+
+
+def _entry(status, name: str):
+    (entry,) = [w for w in status.workers if w.worker_name == name]
+    return entry
+
+
+def _evicted(ps: str, name: str) -> bool:
+    """Whether every shard has evicted ``name`` (by name: under load another worker could be
+    evicted too, and a count would take it for this one)."""
+    return all(any(w.worker_name == name and w.evicted for w in s.workers) for s in _status(ps))
+
+
+def _silences(shards: list[ShardProcess], name: str) -> list[float] | None:
+    """How long ``name`` had been silent when each shard evicted it, as the shards logged it
+    (None until every shard has)."""
+    pattern = rf"evicted {re.escape(name)} \(generation \d+, clock \d+\): no heartbeat for ([\d.]+)s"
+    found = [re.findall(pattern, shard.log()) for shard in shards]
+    return [float(f[0]) for f in found] if all(found) else None
 
 
 def _result(proc: subprocess.Popen, timeout: float = 300) -> dict:
@@ -50,20 +85,22 @@ def test_killed_worker_is_evicted_within_the_lease_and_blocks_nobody(shards, mod
     victim = _worker(ps, 2, 3, "--mode", *mode, "--steps", "100000")
     others = [_worker(ps, i, 3, "--mode", *mode, "--steps", "200") for i in range(2)]
     wait_until(lambda: all(len([w for w in s.workers if w.live and w.pushes >= 1]) == 3 and s.clock >= 3
-                            for s in _status(ps)), 120, victim, "three pushing workers at clock 3")
+                            for s in _status(ps)), 120 + LOAD_MARGIN, victim, "three pushing workers at clock 3")
     victim.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     victim.wait(timeout=30)
-    wait_until(lambda: all(s.workers_evicted == 1 for s in _status(ps)), 4 * LEASE, others[0], "eviction")
-    evict_seconds = time.monotonic() - killed_at
-    # Lease plus one reaper period (a quarter lease) plus scheduling slack.
-    assert evict_seconds <= LEASE * 1.25 + 1.5, evict_seconds
+    wait_until(lambda: _evicted(ps, "worker-2"), LEASE * 1.25 + LOAD_MARGIN, others[0], "worker-2's eviction")
+    seen_after = time.monotonic() - killed_at
+    silences = wait_until(lambda: _silences([a, b], "worker-2"), LOAD_MARGIN, others[0], "the shards' eviction lines")
+    # Never before the lease ran out; then within one reaper period (a quarter lease), give or
+    # take the reaper waiting for a core.
+    assert all(LEASE <= silence <= LEASE * 1.25 + REAPER_SLACK for silence in silences), silences
     results = [_result(p) for p in others]
     assert [r["steps"] for r in results] == [200, 200]
     for s in _status(ps):
-        (gone,) = [w for w in s.workers if w.worker_name == "worker-2"]
+        gone = _entry(s, "worker-2")
         assert gone.evicted and not gone.live
-    print(f"evicted {evict_seconds:.2f}s after SIGKILL (lease {LEASE}s)")
+    print(f"evicted after {max(silences):.2f}s of silence (lease {LEASE}s); seen {seen_after:.2f}s after SIGKILL")
 
 
 def test_frozen_worker_is_fenced_rejoins_and_nothing_is_applied_twice(shards):
@@ -71,10 +108,10 @@ def test_frozen_worker_is_fenced_rejoins_and_nothing_is_applied_twice(shards):
     frozen = _worker(a.address, 0, 2, "--steps", "400", "--slowdown", "3")
     other = _worker(a.address, 1, 2, "--steps", "400", "--slowdown", "3")
     wait_until(lambda: all(s.version >= 20 and len([w for w in s.workers if w.pushes >= 1]) == 2
-                            for s in _status(a.address)), 120, frozen, "20 updates from both workers")
+                            for s in _status(a.address)), 120 + LOAD_MARGIN, frozen, "20 updates from both workers")
     frozen.send_signal(signal.SIGSTOP)  # a paused process: no heartbeats, no pushes
     try:
-        wait_until(lambda: _status(a.address)[0].workers_evicted == 1, 4 * LEASE, other, "eviction")
+        wait_until(lambda: _evicted(a.address, "worker-0"), LEASE * 1.25 + LOAD_MARGIN, other, "worker-0's eviction")
     finally:
         frozen.send_signal(signal.SIGCONT)
     (frozen_result, frozen_log), other_result = _result_and_log(frozen), _result(other)

@@ -425,12 +425,12 @@ class _ObservedStore(ShardStore):
         self._observed = threading.Condition()  # guards _waiters
         self._waiters = 0
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, **kwargs) -> None:
         with self._observed:
             self._waiters += 1
             self._observed.notify_all()
         self.pull_waiting.set()
-        super().wait_ready(timeout)
+        super().wait_ready(timeout, **kwargs)
 
     def upload_parts(self, header_parts, *, initialize):
         self.upload_started.set()
