@@ -2,6 +2,7 @@
 
     root/LATEST                             {"id": ..., "num_shards": ...}: newest committed checkpoint
     root/.lock                              flock'd around moving LATEST and pruning
+    root/ENDED                              {"after": id, "job": ...}: checkpoints <= id belong to ended jobs
     root/ckpt-{id:012d}/shard-{i}-of-{n}/   tensors.safetensors, metadata.json, MANIFEST.json
 
 Every file is written to a temp name, fsynced, renamed, and its directory fsynced. MANIFEST (sizes
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 TENSORS, METADATA, MANIFEST, LATEST = "tensors.safetensors", "metadata.json", "MANIFEST.json", "LATEST"
+ENDED = "ENDED"
 _CKPT_RE = re.compile(r"ckpt-(\d{12})")
 _PART_RE = re.compile(r"shard-(\d+)-of-(\d+)")
 
@@ -196,6 +198,14 @@ class CheckpointStore:
         scan = self._scan()
         order = [pointer[0]] if pointer and pointer[1] == num_shards else []
         order += sorted((c for c, ns in scan.items() if num_shards in ns and c not in order), reverse=True)
+        ended = self.ended()
+        if ended is not None and order and max(order) <= ended["after"]:
+            raise CheckpointError(
+                f"the newest checkpoint in {self.root} ({max(order)}) belongs to job {ended['job']!r}, ended by "
+                "psctl end-job: nothing of a running job to restore; start the shard without --restore for a "
+                "new job (psctl export --checkpoint still reads the ended job's model)"
+            )
+        order = [c for c in order if ended is None or c > ended["after"]]
         only_unfinished = True
         for cid in order:
             try:
@@ -244,6 +254,36 @@ class CheckpointStore:
                 log.warning("checkpoint %d in %s is not usable, skipping it: %s%s", cid, self.root, exc, what)
                 problems.append(f"{exc}{what}")
         raise CheckpointError(f"no usable checkpoint in {self.root}: " + ("; ".join(problems) or "there is none"))
+
+    def mark_ended(self, job: str) -> int:
+        """Record that every checkpoint here so far belongs to a job that was ended (``psctl
+        end-job``), so that :meth:`load` (a restore) never brings it back; :meth:`load_all`
+        still reads them. Returns the id marked. Idempotent; the mark only moves forward."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            pointer = self._read_pointer()
+            after = max([*self._scan(), pointer[0] if pointer else 0, 0])
+            previous = self.ended()
+            if previous is None or previous["after"] < after:
+                _write_atomic(self.root / ENDED, json.dumps({"after": after, "job": job}).encode())
+            return max(after, previous["after"] if previous else 0)
+        finally:
+            os.close(fd)
+
+    def ended(self) -> dict | None:
+        """The mark :meth:`mark_ended` left (``{"after": id, "job": name}``), None without one."""
+        try:
+            raw = json.loads((self.root / ENDED).read_bytes())
+            if type(raw.get("after")) is not int:
+                raise ValueError(f"bad values {raw!r}")
+            return {"after": raw["after"], "job": str(raw.get("job", ""))}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{self.root / ENDED} is damaged ({exc}): remove it to restore from "
+                                  f"{self.root}") from exc
 
     # --- internals -------------------------------------------------------------------------------
 

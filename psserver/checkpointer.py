@@ -147,6 +147,17 @@ class Checkpointer:
                  seconds, version, ", complete" if complete else "")
         return str(path), version, complete
 
+    def mark_ended(self, job: str) -> int:
+        """After ``end_job``: no restore from this directory brings the ended job back
+        (``CheckpointStore.mark_ended``). Returns the newest checkpoint id it covers."""
+        with self._lock:
+            after = self._files.mark_ended(job)
+        if self._schedule is not None and self._schedule.unit == "steps":
+            log.warning("checkpoints every %d steps are numbered by the job's clock: the next job's stay below "
+                        "checkpoint %d of the ended one and never become LATEST here; give the next job a new "
+                        "--checkpoint-dir, or checkpoint on a seconds schedule", self._schedule.every, after)
+        return after
+
     @property
     def schedule_seconds(self) -> float:
         """The period of a seconds schedule (``--checkpoint-every 30s``); 0 for none or steps."""

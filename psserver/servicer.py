@@ -19,6 +19,7 @@ from pswire.data import DataTask
 from psserver.guard import CallGuard, IdleStreams, Undecodable, tolerant
 from psserver.inflight import InflightBudget, Transfer
 from psserver.lanes import LaneServer
+from psserver.checkpoint import CheckpointError
 from psserver.store import PullSnapshot, Registration, ShardStore
 from pswire.wire import (
     consistency_from_proto, consistency_to_proto, data_plan_from_proto, data_plan_to_proto, data_status_to_proto,
@@ -442,6 +443,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         if ended is None:
             return ps_pb2.EndJobResponse(ended=False)
+        if checkpointer is not None:
+            try:
+                checkpointer.mark_ended(ended.job_fingerprint)
+            except (OSError, CheckpointError) as exc:  # the job has ended all the same
+                log.warning("could not mark the ended job's checkpoints in %s: %s; a --restore from there would "
+                            "bring it back", checkpointer.directory, exc)
         path, _, complete = ended.final if ended.final is not None else ("", 0, False)
         return ps_pb2.EndJobResponse(
             ended=True, job_fingerprint=ended.job_fingerprint, version=ended.version,

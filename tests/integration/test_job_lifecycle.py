@@ -56,6 +56,10 @@ def test_end_job_with_a_final_checkpoint_then_a_different_model_trains_on_the_sa
     assert [x["state"] for x in after] == ["empty", "empty"] and all(not x["workers"] for x in after)
     latest = json.loads((ckpt / "LATEST").read_text())
     assert latest["num_shards"] == 2 and (ckpt / f"ckpt-{latest['id']:012d}").is_dir()
+    # A shard restored from there after the end does not bring the ended job back.
+    restored = run_cli("psserver", "--port", "0", "--checkpoint-dir", str(ckpt), "--restore", "--shard-index", "0",
+                       "--num-shards", "2", timeout=60)
+    assert restored.returncode != 0 and "ended by psctl end-job" in restored.stderr, restored.stderr[-2000:]
 
     # A different model on the same shards: it defines a new job, and the next worker joins it.
     new = run_cli("psworker", "--ps", ps, "--task", "mnist1d-cnn", "--steps", "20", "--worker-name", "new",

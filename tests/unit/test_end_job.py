@@ -122,3 +122,20 @@ def test_a_pull_waiting_on_the_bound_is_told_at_once_that_the_job_ended():
     waiter.join(timeout=10)
     assert not waiter.is_alive(), "the waiting pull was not woken by the job's end"
     assert isinstance(errors[0], PreconditionError) and ENDED in str(errors[0])
+
+
+def test_a_restore_never_brings_an_ended_job_back_but_its_checkpoints_stay_readable(tmp_path):
+    from psserver.checkpoint import CheckpointError, CheckpointStore, ShardPart
+
+    files = CheckpointStore(tmp_path)
+    for cid in (1, 2):
+        files.write(cid, 0, 1, ShardPart({"var/w": np.full(2, float(cid))}, {"job": "old"}))
+    assert files.load(0, 1)[0] == 2
+    assert files.mark_ended("task=old") == 2
+    assert files.mark_ended("task=old") == 2  # idempotent
+    with pytest.raises(CheckpointError, match="belongs to job 'task=old', ended by psctl end-job"):
+        files.load(0, 1)
+    assert files.load_all()[0] == 2 and files.load_all(1)[0] == 1  # export still reads them
+    files.write(3, 0, 1, ShardPart({"var/w": np.full(2, 3.0)}, {"job": "new"}))  # the next job's
+    cid, part = files.load(0, 1)
+    assert cid == 3 and part.metadata == {"job": "new"}
