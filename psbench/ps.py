@@ -54,14 +54,8 @@ def start_shards(children: Children, count: int, *extra: str, timeout: float = 1
 
 def _client(addresses: list[str], *, bulk: bool = True, security: ClientSecurity | None = None) -> PSClient:
     # Deadlines generous enough for a loaded two-core machine moving hundreds of MiB.
-    client = PSClient(addresses, ClientOptions(timeout=120.0, min_bandwidth=5e6, connect_timeout=120.0, bulk=bulk,
-                                               security=security))
-    try:
-        client.wait_connected()
-    except BaseException:
-        client.close()
-        raise
-    return client
+    return PSClient.connected(addresses, ClientOptions(timeout=120.0, min_bandwidth=5e6, connect_timeout=120.0,
+                                                       bulk=bulk, security=security))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from pswire.placement import Placement, VariableSpec, place
 from pswire.v1 import ps_pb2
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_to_proto
 from psworker.tensors import tensor_bytes, torch_dtype
-from psworker.shard import ClientOptions, ShardClient, _retrying, parse_addresses
+from psworker.retry import retrying
+from psworker.shard import ClientOptions, ShardClient, parse_addresses
 
 __all__ = ["ClientOptions", "PSClient", "ShardClient", "parse_addresses"]
 
@@ -110,6 +111,18 @@ class PSClient:
             futures.wait(futs, timeout=self.options.connect_timeout + 3600)
         return results + [f.result(timeout=0) for f in futs]
 
+    @classmethod
+    def connected(cls, addresses: str | Sequence[str], options: ClientOptions | None = None) -> "PSClient":
+        """A client whose every shard answered within ``options.connect_timeout`` (closed again
+        if one did not: ``wait_connected`` raises)."""
+        client = cls(addresses, options)
+        try:
+            client.wait_connected()
+        except BaseException:
+            client.close()
+            raise
+        return client
+
     def wait_connected(self) -> None:
         """Wait up to ``options.connect_timeout`` for every shard to accept a connection, saying
         at once what it waits for. Raises ``UnavailableError`` naming a shard that did not, and why."""
@@ -159,7 +172,7 @@ class PSClient:
                 consistency=consistency_to_proto(wanted),
                 session=self._secrets.get(session.client.address, b""),
             )
-            reply = _retrying(lambda: session.client.register(request), self.options, session.client.address, "register")
+            reply = retrying(lambda: session.client.register(request), self.options, session.client.address, "register")
             self._secrets[session.client.address] = reply.session
             session.worker_id, session.generation, session.secret = reply.worker_id, reply.generation, reply.session
             session.client.session = (reply.worker_id, reply.generation, reply.session)
@@ -305,7 +318,7 @@ class PSClient:
             request, dest, nbytes = self._pull_request(
                 session, destinations, skip_unchanged=skip_unchanged, may_wait=may_wait, clock=session.clock
             )
-            header, written = _retrying(
+            header, written = retrying(
                 lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait),
                 self.options, session.client.address, "pull",
             )
@@ -360,7 +373,7 @@ class PSClient:
             message = self._push_message(session, grads, data)
             if message is None:
                 return None
-            reply = _retrying(lambda: session.client.push(*message), self.options, session.client.address, "push")
+            reply = retrying(lambda: session.client.push(*message), self.options, session.client.address, "push")
             session.clock += 1
             if timings is not None:
                 timings.append((time.monotonic() - started, 0.0, 0.0))
@@ -395,13 +408,13 @@ class PSClient:
             address = session.client.address
             reply = None
             if message is not None:
-                reply, header, written = _retrying(
+                reply, header, written = retrying(
                     lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait),
                     self.options, address, "push and pull",
                 )
                 session.clock += 1
             else:
-                header, written = _retrying(
+                header, written = retrying(
                     lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
                 )
             self._pulled(session, header, written, destinations)

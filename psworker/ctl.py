@@ -135,13 +135,7 @@ def _add_security(parser: argparse.ArgumentParser, role: str) -> None:
 
 def _client(args: argparse.Namespace, security: ClientSecurity | None) -> PSClient:
     options = ClientOptions(timeout=args.timeout, connect_timeout=min(args.timeout, 10.0), security=security)
-    client = PSClient(args.ps, options)
-    try:
-        client.wait_connected()
-    except BaseException:
-        client.close()
-        raise
-    return client
+    return PSClient.connected(args.ps, options)
 
 
 def _checkpoint(args: argparse.Namespace, security: ClientSecurity | None) -> int:

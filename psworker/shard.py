@@ -1,14 +1,13 @@
-"""One shard's gRPC stub, ``ShardClient``, with its retries, deadlines, error translation,
-credentials (TLS, bearer token: ``ClientOptions.security``) and bulk lanes. ``grpc.RpcError``
-becomes a ``pswire.errors`` error here and nowhere else.
+"""One shard's gRPC stub, ``ShardClient``, with its deadlines, credentials (TLS, bearer token:
+``ClientOptions.security``) and bulk lanes. Every ``grpc.RpcError`` it catches becomes a
+``pswire.errors`` error through ``psworker.retry.translate``, which with ``retrying`` decides
+what is retried and for how long.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import random
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,12 +19,13 @@ import torch
 from pswire import errors, frames
 from pswire.dtypes import dtype_of
 from pswire.lanes import LaneError
-from pswire.security import TOKEN_ENV, ClientSecurity, host_of
+from pswire.security import ClientSecurity, host_of
 from pswire.codec import (
     DEFAULT_CHUNK_BYTES, WIRE_DTYPES, ChunkAssembler, Part, on_wire, wire_dtype_from_proto,
 )
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psworker.lanes import Lane, LanePool
+from psworker.retry import REPORT_EVERY, retrying, translate, unreachable
 from psworker.tensors import tensor_bytes, torch_dtype
 
 __all__ = ["KEEPALIVE_MS", "SERVICE", "ClientOptions", "ClientSecurity", "ShardClient", "parse_addresses"]
@@ -51,27 +51,6 @@ _SERVICE_CONFIG = json.dumps({
         },
     }]
 })
-
-_CODE_TO_ERROR: dict[grpc.StatusCode, type[errors.PSError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.TooLargeError,  # OverloadedError when retryable: _translate
-    grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,
-    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.PreconditionError,
-    grpc.StatusCode.ABORTED: errors.FencedError,
-    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineError,
-}
-
-_RETRYABLE = ("ps-retryable", "1")
-"""Trailing metadata of a RESOURCE_EXHAUSTED that is the shard's admission control."""
-_GRPC_OVERLOAD = "Concurrent RPC limit exceeded"
-"""gRPC's own refusal beyond the server's ``maximum_concurrent_rpcs`` (no metadata)."""
-_HINTS = {
-    errors.UnauthenticatedError: f"give the shard's token with --token-file FILE or the {TOKEN_ENV} environment "
-                                 "variable (in code: ClientOptions(security=ClientSecurity(token=...)))",
-    errors.PermissionDeniedError: f"use a token of the role named (--token-file FILE or {TOKEN_ENV})",
-}
 
 
 def parse_addresses(spec: str | Sequence[str]) -> list[str]:
@@ -146,18 +125,6 @@ class ClientOptions:
         return self.timeout + nbytes / self.min_bandwidth
 
 
-_TRANSIENT = (errors.UnavailableError, errors.DeadlineError, errors.OverloadedError)
-
-_MAX_BACKOFF = 2.0
-"""Longest pause between attempts at a shard that is unreachable or slow: the channel's own
-reconnection backoff (``grpc.max_reconnect_backoff_ms``), so that a restarted shard is found
-again within a few seconds."""
-_MAX_OVERLOAD_BACKOFF = 5.0
-"""Longest pause after a shard turned a call away as overloaded (longer: the callers it turned
-away together spread out)."""
-_REPORT_EVERY = 15.0
-"""Seconds between the warnings that a shard is still unreachable while a call keeps retrying,
-or still does not answer while a worker waits to connect."""
 _FIRST_REPORT = 1.0
 """Seconds ``ShardClient.wait_connected`` waits in silence before it says why the shard does not
 answer (a shard that is up answers within milliseconds)."""
@@ -168,126 +135,14 @@ _LEAVE_TIMEOUT = 5.0
 that does not answer it evicts the worker when its lease runs out anyway."""
 
 
-def _retrying(call, options: ClientOptions, address: str, what: str,
-              retry: tuple[type[errors.PSError], ...] = _TRANSIENT, within: float | None = None):
-    """Run ``call`` until it succeeds, retrying with backoff while the shard is unreachable,
-    does not answer in time (a restart, a partition) or turns the call away as overloaded (the
-    errors in ``retry``), for up to ``within`` seconds (default ``options.retry_timeout``). A
-    retried push carries the same sequence number, so a shard that did apply it acknowledges it
-    again instead of applying it twice; an overloaded call never ran at all.
-
-    Calls to an unreachable shard fail at once (no ``wait_for_ready``), so the budget is spent
-    on attempts a couple of seconds apart rather than on one call's deadline. Raises the last
-    error's type once the budget is spent, naming the shard, the reason, since when it has
-    failed and how many attempts were made."""
-    within = options.retry_timeout if within is None else within
-    started = time.monotonic()
-    deadline = started + within
-    since = 0.0  # the first failure's wall-clock time, as the logs show time
-    backoff = 0.1
-    attempts = 0
-    reported = started
-    while True:
-        attempts += 1
-        try:
-            result = call()
-        except retry as exc:
-            overloaded = isinstance(exc, errors.OverloadedError)
-            now = time.monotonic()
-            if attempts == 1:
-                since = time.time()
-            if now >= deadline:
-                raise type(exc)(
-                    f"{exc} since {_clock(since)}; giving up on {what} after {now - started:.0f}s "
-                    f"({attempts} attempt{'s' if attempts > 1 else ''})"
-                ) from exc
-            # Jitter, so that the callers an overloaded shard turned away together do not return
-            # together; the last attempt comes when the budget runs out.
-            pause = min(backoff * random.uniform(0.5, 1.0), deadline - now)
-            if overloaded:
-                log.info("%s to %s failed (%s); retrying in %.2fs", what, address, exc, pause)
-            elif attempts == 1:
-                log.warning("%s to %s failed (%s); retrying for up to %.0fs", what, address, exc, deadline - now)
-            elif now - reported >= _REPORT_EVERY:
-                reported = now
-                log.warning("%s to %s still failing (%s since %s, %d attempts); retrying for %.0fs more",
-                            what, address, exc, _clock(since), attempts, deadline - now)
-            else:
-                log.debug("%s to %s failed (%s); retrying in %.2fs", what, address, exc, pause)
-            if options.on_retry is not None:
-                options.on_retry(what)
-            threading.Event().wait(pause)  # a plain timed wait; nothing can end it early
-            backoff = min(backoff * 2, _MAX_OVERLOAD_BACKOFF if overloaded else _MAX_BACKOFF)
-        else:
-            if attempts > 1:
-                log.info("%s to %s went through after %.1fs and %d attempts", what, address,
-                         time.monotonic() - started, attempts)
-            return result
-
-
-def _clock(wall: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(wall))
-
-
-_CONNECTION_FAILURES = (
-    ("connection refused", "connection refused"),
-    ("no route to host", "no route to host"),
-    ("network is unreachable", "network unreachable"),
-    ("domain name not found", "its host name does not resolve"),
-    ("errors resolving", "its host name does not resolve"),
-    ("handshake", "TLS handshake failed"),
-    ("connection reset", "connection reset"),
-    ("socket closed", "connection lost"),
-    ("broken pipe", "connection lost"),
-    ("connection timed out", "connection timed out"),
-    ("failed to connect to all addresses", "cannot connect"),
-)
-"""Pieces of gRPC's own UNAVAILABLE details (the C core's, never a shard's) and what they mean,
-first match wins: gRPC says "failed to connect to all addresses; last error: ... Connection
-refused"."""
-
-
-def _unreachable(details: str) -> str | None:
-    """Why gRPC could not reach a shard, from an UNAVAILABLE's details; None when the shard
-    itself sent it (it is reachable: "not initialised", a lease not yet expired, ...)."""
-    lower = (details or "").lower()
-    for piece, reason in _CONNECTION_FAILURES:
-        if piece in lower:
-            # A TLS failure or an unknown one keeps gRPC's words: they say which certificate, say.
-            return reason if reason not in ("TLS handshake failed", "cannot connect") else f"{reason} ({details})"
-    return None
-
-
-def _overloaded(exc: grpc.RpcError, details: str) -> bool:
-    """Whether a RESOURCE_EXHAUSTED is admission control (retry later), not a request too large."""
-    try:
-        trailing = exc.trailing_metadata() or ()
-    except (AttributeError, ValueError):
-        trailing = ()
-    return any(tuple(item) == _RETRYABLE for item in trailing) or _GRPC_OVERLOAD in (details or "")
-
-
-def _translate(exc: grpc.RpcError, address: str) -> errors.PSError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = _CODE_TO_ERROR.get(code, errors.PSError)
-    if cls is errors.TooLargeError and _overloaded(exc, details):
-        cls = errors.OverloadedError
-    reason = _unreachable(details) if code is grpc.StatusCode.UNAVAILABLE else None
-    if reason is not None:
-        return cls(f"shard {address} unreachable: {reason}")
-    # Only a refused token gets the hint (UNAUTHENTICATED also answers a wrong session secret).
-    hint = _HINTS.get(cls) if "token" in (details or "") else None
-    return cls(f"shard {address}: {details} ({code.name})" + (f"; {hint}" if hint else ""))
-
-
 class ShardClient:
     """Calls to one shard. Every call has a deadline; errors are ``pswire.errors`` types.
 
     No call waits for the connection (``wait_for_ready``): once :meth:`wait_connected` has
     found the shard, a call to a shard that went away fails at once as ``UnavailableError``
     ("shard H:P unreachable: connection refused"), and the retrying caller decides how long to
-    keep trying (``_retrying``), instead of each attempt waiting out its whole deadline."""
+    keep trying (``psworker.retry.retrying``), instead of each attempt waiting out its whole
+    deadline."""
 
     def __init__(self, address: str, options: ClientOptions) -> None:
         self.address = address
@@ -349,7 +204,7 @@ class ShardClient:
     def wait_connected(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the shard to accept a connection (it may still be
         starting). Says why not after a second (nothing answers, the name does not resolve, a
-        failed TLS handshake) and again every ``_REPORT_EVERY`` seconds. Raises
+        failed TLS handshake) and again every ``REPORT_EVERY`` seconds. Raises
         ``UnavailableError`` naming the address and the reason."""
         ready = grpc.channel_ready_future(self._channel)
         started = time.monotonic()
@@ -379,7 +234,7 @@ class ShardClient:
                 elif why is not None:
                     log.info("still waiting for shard %s (%s) after %.0fs; up to %.0fs more", self.address, why,
                              now - started, deadline - now)
-                report_at = now + _REPORT_EVERY
+                report_at = now + REPORT_EVERY
         finally:
             ready.cancel()
 
@@ -391,7 +246,7 @@ class ShardClient:
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             if code is grpc.StatusCode.UNAVAILABLE:
-                return _unreachable(exc.details()) or exc.details()
+                return unreachable(exc.details()) or exc.details()
             if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 return f"no answer within {timeout:.0f}s"
         return None  # answered, if only to refuse the call: it is reachable
@@ -421,7 +276,7 @@ class ShardClient:
                 wait_for_ready=False, metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from exc
+            raise translate(exc, self.address) from exc
 
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterResponse:
         reply = self._call(self._stub.Register, request)
@@ -431,8 +286,8 @@ class ShardClient:
     def status(self) -> ps_pb2.StatusResponse:
         """The shard's status; retried while the shard turns it away as overloaded, for up to
         one small call's deadline (``options.timeout``)."""
-        return _retrying(lambda: self._call(self._stub.Status, ps_pb2.StatusRequest()), self.options, self.address,
-                         "status", retry=(errors.OverloadedError,), within=self.options.timeout)
+        return retrying(lambda: self._call(self._stub.Status, ps_pb2.StatusRequest()), self.options, self.address,
+                        "status", retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def _stream(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]
@@ -484,7 +339,7 @@ class ShardClient:
             reply = call.result()
         except grpc.RpcError as exc:
             lane.close()
-            raise _translate(exc, self.address) from exc
+            raise translate(exc, self.address) from exc
         except (OSError, LaneError) as exc:
             lane.close()
             raise errors.UnavailableError(f"shard {self.address}: bulk lane broke: {exc}") from exc
@@ -514,8 +369,8 @@ class ShardClient:
         unreachable shard fails it at once). Raises ``pswire.errors`` errors."""
         # Leave is never capped by admission control; gRPC's own limit may still turn it away.
         timeout = min(self.options.timeout, _LEAVE_TIMEOUT)
-        _retrying(lambda: self._call(self._stub.Leave, request, timeout=timeout), self.options, self.address,
-                  "leave", retry=(errors.OverloadedError,), within=timeout)
+        retrying(lambda: self._call(self._stub.Leave, request, timeout=timeout), self.options, self.address,
+                 "leave", retry=(errors.OverloadedError,), within=timeout)
 
     def heartbeat(self, request: ps_pb2.HeartbeatRequest, timeout: float) -> ps_pb2.HeartbeatResponse:
         # A heartbeat to an unreachable shard fails fast and the next one retries.
@@ -524,17 +379,17 @@ class ShardClient:
     def data(self, request: ps_pb2.DataRequest) -> ps_pb2.DataResponse:
         """Retried while the shard is unreachable or overloaded: a repeat is harmless, as every
         reply names all the tasks the worker holds (``psworker.elastic``)."""
-        return _retrying(lambda: self._call(self._stub.Data, request), self.options, self.address, "data")
+        return retrying(lambda: self._call(self._stub.Data, request), self.options, self.address, "data")
 
     def checkpoint(self, request: ps_pb2.CheckpointRequest) -> ps_pb2.CheckpointResponse:
         """Retried only while the shard turns it away as overloaded (it then never started)."""
-        return _retrying(lambda: self._call(self._stub.Checkpoint, request), self.options, self.address,
-                         "checkpoint", retry=(errors.OverloadedError,), within=self.options.timeout)
+        return retrying(lambda: self._call(self._stub.Checkpoint, request), self.options, self.address,
+                        "checkpoint", retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def end_job(self, request: ps_pb2.EndJobRequest) -> ps_pb2.EndJobResponse:
         """Retried only while the shard turns it away as overloaded (it then never started)."""
-        return _retrying(lambda: self._call(self._stub.EndJob, request), self.options, self.address,
-                         "end-job", retry=(errors.OverloadedError,), within=self.options.timeout)
+        return retrying(lambda: self._call(self._stub.EndJob, request), self.options, self.address,
+                        "end-job", retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
@@ -575,7 +430,7 @@ class ShardClient:
             self._widen(targets, destinations)
             return first.header, versions
         except grpc.RpcError as exc:
-            raise _translate(exc, self.address) from exc
+            raise translate(exc, self.address) from exc
 
     def push_pull(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest,
@@ -608,7 +463,7 @@ class ShardClient:
             try:
                 reply = self._stub.PushPull(call, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
             except grpc.RpcError as exc:
-                raise _translate(exc, self.address) from exc
+                raise translate(exc, self.address) from exc
             return (reply.push, *self._write_inline(reply.pull, destinations))
         reply, received = self._on_lane(lane, self._stub.PushPull, call, timeout, stage, receive)
         return (reply.push, *(received or self._write_inline(reply.pull, destinations)))

@@ -32,7 +32,7 @@ from pswire.placement import model_spec
 from pswire.v1 import ps_pb2
 from psworker.client import ClientOptions, PSClient, ShardClient, parse_addresses
 from psworker.config import parse_args
-from psworker.shard import _retrying
+from psworker.retry import retrying
 from psworker.tasks import load_task
 from tests.conftest import ROOT, child_env
 
@@ -186,7 +186,7 @@ def late_push(ps: str) -> None:
         buffers = [memoryview(bytes(p.nbytes)) for p in parts[index]]
         try:
             # As a worker does: a push cut off by the partition is retried until the link heals.
-            reply = _retrying(lambda: clients[index].push(header, buffers), options, clients[index].address, "late push")
+            reply = retrying(lambda: clients[index].push(header, buffers), options, clients[index].address, "late push")
         except errors.PSError as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"action": reply.action, "version": reply.version}

@@ -154,6 +154,11 @@ def test_tokens_and_roles_are_checked_on_every_call_and_health_stays_open(starte
                            grpc.StatusCode.PERMISSION_DENIED)
         assert "Checkpoint needs the admin role" in details and "worker role" in details
         assert tokens["worker"] not in details
+        for role in ("worker", "reader"):  # ending the job is the admin's alone
+            details = _refused(lambda: stub.EndJob(ps_pb2.EndJobRequest(), timeout=RPC_TIMEOUT,
+                                                   metadata=_bearer(tokens[role])), grpc.StatusCode.PERMISSION_DENIED)
+            assert "EndJob needs the admin role" in details
+        assert not stub.EndJob(ps_pb2.EndJobRequest(), timeout=RPC_TIMEOUT, metadata=_bearer(tokens["admin"])).ended
         # A reader may read the model but not change it or join the job. The Push stream is
         # refused before the shard reads any of it.
         details = _refused(lambda: stub.Push(iter(()), timeout=RPC_TIMEOUT, metadata=_bearer(tokens["reader"])),

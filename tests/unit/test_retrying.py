@@ -15,7 +15,8 @@ import pytest
 
 from pswire import errors
 from psserver.server import bind_check
-from psworker.shard import ClientOptions, _retrying, _translate, _unreachable
+from psworker.retry import retrying, translate, unreachable
+from psworker.shard import ClientOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,8 +46,8 @@ REFUSED = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.
     ("worker 'w' is held by a live registration until its lease expires", None),
 ])
 def test_connection_failures_are_told_from_a_shards_own_unavailable(details, reason):
-    assert _unreachable(details) == reason
-    error = _translate(_RpcError(grpc.StatusCode.UNAVAILABLE, details), "h:1")
+    assert unreachable(details) == reason
+    error = translate(_RpcError(grpc.StatusCode.UNAVAILABLE, details), "h:1")
     assert isinstance(error, errors.UnavailableError)
     if reason is not None:
         assert str(error) == f"shard h:1 unreachable: {reason}"
@@ -59,12 +60,12 @@ def test_an_unreachable_shard_is_retried_for_the_budget_and_named_at_the_end():
 
     def refused():
         attempts.append(time.monotonic())
-        raise _translate(_RpcError(grpc.StatusCode.UNAVAILABLE, REFUSED), "h:1")
+        raise translate(_RpcError(grpc.StatusCode.UNAVAILABLE, REFUSED), "h:1")
 
     seen: list[str] = []
     started = time.monotonic()
     with pytest.raises(errors.UnavailableError) as caught:
-        _retrying(refused, ClientOptions(retry_timeout=3.0, on_retry=seen.append), "h:1", "push")
+        retrying(refused, ClientOptions(retry_timeout=3.0, on_retry=seen.append), "h:1", "push")
     took = time.monotonic() - started
     message = str(caught.value)
     assert re.fullmatch(r"shard h:1 unreachable: connection refused since \d\d:\d\d:\d\d; "

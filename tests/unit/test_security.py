@@ -22,7 +22,8 @@ from psserver.server import exposure_warnings
 from psworker.config import build_parser as worker_parser
 from psworker.config import parse_args as worker_args
 from psworker.ctl import default_checkpoint_id
-from psworker.shard import ClientOptions, _retrying, _translate
+from psworker.retry import retrying, translate
+from psworker.shard import ClientOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -320,7 +321,7 @@ class _RpcError(grpc.RpcError):
      errors.UnauthenticatedError, "session secret (UNAUTHENTICATED)"),
 ])
 def test_status_codes_become_domain_errors(exc, cls, text):
-    error = _translate(exc, "h:1")
+    error = translate(exc, "h:1")
     assert type(error) is cls and text in str(error)
     # Only a refused token is answered with where to give one.
     assert ("PSGRPC_TOKEN" in str(error)) == ("token" in exc.details())
@@ -336,7 +337,7 @@ def test_overloaded_calls_are_retried_and_refusals_are_not():
             raise outcome
         return outcome
 
-    assert _retrying(call, options, "h:1", "push") == "done"
+    assert retrying(call, options, "h:1", "push") == "done"
     attempts = []
 
     def refused():
@@ -344,7 +345,7 @@ def test_overloaded_calls_are_retried_and_refusals_are_not():
         raise errors.UnauthenticatedError("no token")
 
     with pytest.raises(errors.UnauthenticatedError):
-        _retrying(refused, options, "h:1", "push")
+        retrying(refused, options, "h:1", "push")
     assert len(attempts) == 1
 
 

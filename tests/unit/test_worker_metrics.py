@@ -19,7 +19,8 @@ from psworker import cluster
 from psworker.client import _phases
 from psworker.config import parse_args
 from psworker.metrics import PHASES, WorkerMetrics, metrics_url, serve
-from psworker.shard import ClientOptions, _retrying
+from psworker.retry import retrying
+from psworker.shard import ClientOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,7 +158,7 @@ def test_every_retry_reaches_the_hook():
             raise failure
         return "done"
 
-    assert _retrying(call, options, "h:1", "push") == "done"
+    assert retrying(call, options, "h:1", "push") == "done"
     assert seen == ["push", "push"]
     assert ClientOptions(on_retry=seen.append) == ClientOptions()  # hooks are not settings
 
