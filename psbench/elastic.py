@@ -44,7 +44,7 @@ from psbench.config import ElasticJob, TrainingCase
 from psbench.procs import Child, ChildError, Children
 from psbench.ps import start_shards
 from psbench.stats import median, median_ratio
-from psbench.training import BATCH_SIZE, run_cluster, worker_result
+from psbench.training import BATCH_SIZE, cluster_fields, run_cluster, worker_result
 from psbench.tasks import CNN_DEFAULTS
 
 __all__ = ["CNN_TASK", "ElasticThroughput", "JobRun", "busy_rate", "job_seconds", "measure_elastic_jobs",
@@ -135,13 +135,7 @@ class ElasticThroughput:
         dynamic_with_wait = [sum(w["steps"] / w["seconds"] for w in rep if w["seconds"] > 0) for rep in self.dynamic]
         data = [w["data"] for rep in self.dynamic for w in rep]
         return {
-            "task": self.case.task,
-            "width": self.case.width,
-            "parameters": self.case.parameters,
-            "batch_size": BATCH_SIZE,
-            "shards": self.shards,
-            "workers": self.workers,
-            "worker_steps": self.case.worker_steps,
+            **cluster_fields(self.case, self.shards, self.workers),
             "data_task_size": data[0]["job"]["task_size"],
             "static_steps_per_second": median(_rates(self.static)),
             "dynamic_steps_per_second": median(_rates(self.dynamic)),

@@ -27,7 +27,7 @@ from psbench.config import TrainingCase
 from psbench.procs import Child, ChildError, Children
 from psbench.ps import start_shards
 from psbench.stats import median, median_ratio
-from psbench.training import BATCH_SIZE, run_cluster
+from psbench.training import BATCH_SIZE, cluster_fields, run_cluster
 
 __all__ = ["MetricsTrainingResult", "ScrapeStats", "Scraper", "measure_metrics_training", "metrics_url_in"]
 
@@ -205,13 +205,7 @@ class MetricsTrainingResult:
         seconds = [s for stats in self.scrapes for s in stats.seconds]
         sizes = [b for stats in self.scrapes for b in stats.bytes]
         return {
-            "task": self.case.task,
-            "width": self.case.width,
-            "parameters": self.case.parameters,
-            "batch_size": BATCH_SIZE,
-            "shards": self.shards,
-            "workers": self.workers,
-            "worker_steps": self.case.worker_steps,
+            **cluster_fields(self.case, self.shards, self.workers),
             "off_samples_per_second": self.off_samples_per_second,
             "on_samples_per_second": self.on_samples_per_second,
             "ratio": self.ratio,

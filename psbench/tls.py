@@ -18,7 +18,7 @@ from psbench.config import TrainingCase
 from psbench.procs import Children
 from psbench.ps import GoodputResult, Setup, measure_goodput_alternated, start_shards
 from psbench.stats import median, median_ratio
-from psbench.training import BATCH_SIZE, run_cluster
+from psbench.training import BATCH_SIZE, cluster_fields, run_cluster
 from pswire.security import DevPKI, make_dev_pki
 
 __all__ = ["TlsTrainingResult", "goodput_comparison", "make_pki", "measure_tls_goodput", "measure_tls_training"]
@@ -96,13 +96,7 @@ class TlsTrainingResult:
 
     def to_dict(self) -> dict:
         return {
-            "task": self.case.task,
-            "width": self.case.width,
-            "parameters": self.case.parameters,
-            "batch_size": BATCH_SIZE,
-            "shards": self.shards,
-            "workers": self.workers,
-            "worker_steps": self.case.worker_steps,
+            **cluster_fields(self.case, self.shards, self.workers),
             "plain_samples_per_second": self.plain_samples_per_second,
             "tls_samples_per_second": self.tls_samples_per_second,
             "ratio": self.ratio,

@@ -25,6 +25,13 @@ __all__ = ["TrainingResult", "measure_training", "run_cluster", "run_local", "wo
 log = logging.getLogger(__name__)
 
 BATCH_SIZE = 64
+
+
+def cluster_fields(case: TrainingCase, shards: int, workers: int) -> dict:
+    """What a paired cluster comparison's JSON says of its runs (psbench's elastic, metrics and
+    tls sections): the model, the batch, the cluster and each worker's steps."""
+    return {"task": case.task, "width": case.width, "parameters": case.parameters, "batch_size": BATCH_SIZE,
+            "shards": shards, "workers": workers, "worker_steps": case.worker_steps}
 _COMMON = ("--threads", "1", "--device", "cpu", "--batch-size", str(BATCH_SIZE), "--optimizer", "sgd",
            "--lr", "0.05", "--progress", "none", "--log-level", "WARNING")
 

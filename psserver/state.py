@@ -1,21 +1,28 @@
 """The records a shard's store keeps: a slot per part (the variable and its optimizer state), a
-record per worker, the gradients collected for the open sync clock, and the counters that
-``psctl status`` shows and checkpoints carry.
+record per worker, the gradients collected for the open sync clock, the counters that
+``psctl status`` shows and checkpoints carry, the jobs it ended; and what its calls return
+(a registration, a pull's snapshot, a reading for metrics, an ended job).
 
 Plain data without locks of their own: ``ShardStore._lock`` guards every one of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pswire.codec import Part
+from pswire.consistency import Consistency
+from pswire.errors import PreconditionError
 from psserver.consistency import PushAction
 
-__all__ = ["STALENESS_BUCKETS", "Counters", "PushResult", "Slot", "SyncClock", "Worker"]
+__all__ = [
+    "STALENESS_BUCKETS", "Counters", "EndedJob", "EndedJobs", "PullSnapshot", "PulledPart", "PushResult", "Reading",
+    "RegisterResult", "Slot", "SyncClock", "Worker",
+]
 
 STALENESS_BUCKETS = 17
 """Staleness histogram: one bucket per value 0..15, the last one for 16 and above."""
@@ -166,3 +173,108 @@ class Counters:
             self.staleness_beyond = 0
         self.staleness_sum = int(doc.get("staleness_sum", self.staleness_sum))
         self.staleness_beyond = int(doc.get("staleness_beyond", self.staleness_beyond))
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The store's counters and gauges at one instant, read under its lock (for metrics)."""
+
+    shard_index: int | None
+    num_shards: int | None
+    mode: str
+    """The job's consistency mode, "" before a job."""
+    version: int
+    clock: int
+    variable_bytes: int
+    optimizer_state_bytes: int
+    workers: dict[str, int]
+    """Workers in each state: live, evicted, left, fenced (each counted in one)."""
+    evictions: int
+    pushes: dict[str, int]
+    """Pushes by outcome, each in one (``ShardStore.reading``)."""
+    staleness_counts: tuple[int, ...]
+    staleness_sum: int
+    staleness_beyond: int
+    pull_wait_seconds: float
+    pull_waits: dict[str, int]
+    """Pulls that waited on the bound, by the worker waited for: every worker in the table."""
+    data: dict | None = None
+    """The data queue's status (``DataQueue.status``), None without dynamic data."""
+
+
+@dataclass(frozen=True)
+class RegisterResult:
+    worker_id: int
+    generation: int
+    must_initialize: bool
+    version: int
+    clock: int
+    consistency: Consistency
+    lease_seconds: float = 0.0
+    data: dict = field(default_factory=dict)
+    """This worker's last recorded progress (a restarted worker resumes from it)."""
+    session: bytes = b""
+    """The registration's secret: every later call of it must carry it."""
+    workers_live: int = 1
+    """Live registrations of the job on this shard, this one included."""
+
+
+@dataclass(frozen=True)
+class EndedJob:
+    """What :meth:`ShardStore.end_job` ended."""
+
+    job_fingerprint: str
+    version: int
+    workers_live: int
+    final: object = None
+    """What the ``final`` callback returned (the final checkpoint), None without one."""
+
+
+@dataclass(frozen=True)
+class EndedJobs:
+    # The jobs this shard ended: every worker id below ``below`` belonged to one of them, and
+    # ``sessions`` are the last one's registrations (a worker of it asking to register again).
+    job_fingerprint: str
+    below: int
+    sessions: frozenset[bytes]
+    at_unix: float
+
+    def error(self) -> PreconditionError:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.at_unix))
+        return PreconditionError(
+            f"the job {self.job_fingerprint or '(unnamed)'!r} was ended on this shard at {when} "
+            "(psctl end-job); this worker belonged to it. Start the next job with new workers"
+        )
+
+
+@dataclass(frozen=True)
+class PulledPart:
+    part: Part
+    version: int
+    value: np.ndarray | None
+    """The part's value as of the snapshot (``None`` when skipped as unchanged): the variable
+    itself, which the store leaves untouched until the snapshot is released, or a converted
+    copy when the pull asked for a narrower wire dtype."""
+
+
+@dataclass
+class PullSnapshot:
+    """A consistent view of the shard for one pull. Its values stay valid, and are not copied,
+    until :meth:`release` (an update meanwhile goes to a fresh copy of the variable)."""
+
+    version: int
+    clock: int
+    parts: list[PulledPart]
+    _release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        """Let the store update the variables in place again; idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> "PullSnapshot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -15,7 +15,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,7 +34,10 @@ from psserver.job import (
     MAX_COUNT, Registration, check_count, check_finite, check_parts, check_same_job, fmt_bytes,
 )
 from psserver.optimizers import UpdateRule, create_update_rule
-from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
+from psserver.state import (
+    Counters, EndedJob, EndedJobs, PulledPart, PullSnapshot, PushResult, Reading, RegisterResult, Slot, SyncClock,
+    Worker,
+)
 
 __all__ = [
     "EndedJob", "NonFiniteError", "PullSnapshot", "PulledPart", "PushResult", "Reading", "RegisterResult",
@@ -61,111 +63,6 @@ class NonFiniteError(InvalidArgumentError):
     """A push refused for a non-finite gradient, or for an update that would have made a
     variable or its optimizer state non-finite (INVALID_ARGUMENT on the wire, like its parent;
     counted apart from other refusals)."""
-
-
-@dataclass(frozen=True)
-class Reading:
-    """The store's counters and gauges at one instant, read under its lock (for metrics)."""
-
-    shard_index: int | None
-    num_shards: int | None
-    mode: str
-    """The job's consistency mode, "" before a job."""
-    version: int
-    clock: int
-    variable_bytes: int
-    optimizer_state_bytes: int
-    workers: dict[str, int]
-    """Workers in each state: live, evicted, left, fenced (each counted in one)."""
-    evictions: int
-    pushes: dict[str, int]
-    """Pushes by outcome, each in one (``ShardStore.reading``)."""
-    staleness_counts: tuple[int, ...]
-    staleness_sum: int
-    staleness_beyond: int
-    pull_wait_seconds: float
-    pull_waits: dict[str, int]
-    """Pulls that waited on the bound, by the worker waited for: every worker in the table."""
-    data: dict | None = None
-    """The data queue's status (``DataQueue.status``), None without dynamic data."""
-
-
-@dataclass(frozen=True)
-class RegisterResult:
-    worker_id: int
-    generation: int
-    must_initialize: bool
-    version: int
-    clock: int
-    consistency: cons.Consistency
-    lease_seconds: float = 0.0
-    data: dict = field(default_factory=dict)
-    """This worker's last recorded progress (a restarted worker resumes from it)."""
-    session: bytes = b""
-    """The registration's secret: every later call of it must carry it."""
-    workers_live: int = 1
-    """Live registrations of the job on this shard, this one included."""
-
-
-@dataclass(frozen=True)
-class EndedJob:
-    """What :meth:`ShardStore.end_job` ended."""
-
-    job_fingerprint: str
-    version: int
-    workers_live: int
-    final: object = None
-    """What the ``final`` callback returned (the final checkpoint), None without one."""
-
-
-@dataclass(frozen=True)
-class _Ended:
-    # The jobs this shard ended: every worker id below ``below`` belonged to one of them, and
-    # ``sessions`` are the last one's registrations (a worker of it asking to register again).
-    job_fingerprint: str
-    below: int
-    sessions: frozenset[bytes]
-    at_unix: float
-
-    def error(self) -> PreconditionError:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.at_unix))
-        return PreconditionError(
-            f"the job {self.job_fingerprint or '(unnamed)'!r} was ended on this shard at {when} "
-            "(psctl end-job); this worker belonged to it. Start the next job with new workers"
-        )
-
-
-@dataclass(frozen=True)
-class PulledPart:
-    part: Part
-    version: int
-    value: np.ndarray | None
-    """The part's value as of the snapshot (``None`` when skipped as unchanged): the variable
-    itself, which the store leaves untouched until the snapshot is released, or a converted
-    copy when the pull asked for a narrower wire dtype."""
-
-
-@dataclass
-class PullSnapshot:
-    """A consistent view of the shard for one pull. Its values stay valid, and are not copied,
-    until :meth:`release` (an update meanwhile goes to a fresh copy of the variable)."""
-
-    version: int
-    clock: int
-    parts: list[PulledPart]
-    _release: Callable[[], None] | None = None
-
-    def release(self) -> None:
-        """Let the store update the variables in place again; idempotent."""
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def __enter__(self) -> "PullSnapshot":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 class ShardStore:
@@ -203,7 +100,7 @@ class ShardStore:
         self._changed = threading.Condition(self._lock)
         # Worker ids only grow, across jobs too: an ended job's ids are never given out again.
         self._next_worker_id = 1
-        self._ended: _Ended | None = None
+        self._ended: EndedJobs | None = None
         self._waiting_pulls = 0
         self._cut_every = 0
         self._reset_job()
@@ -1035,7 +932,7 @@ class ShardStore:
             raise
         with self._changed:
             ended = EndedJob(job.job_fingerprint, self._version, sum(w.live for w in self._workers.values()), written)
-            self._ended = _Ended(job.job_fingerprint, self._next_worker_id,
+            self._ended = EndedJobs(job.job_fingerprint, self._next_worker_id,
                                  frozenset(w.secret for w in self._workers.values() if w.secret), time.time())
             for worker in self._workers.values():  # pulls waiting on the bound see it and return
                 worker.live, worker.fenced = False, "its job ended"

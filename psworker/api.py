@@ -54,12 +54,7 @@ def connect(
     handshake included); the first call the shards refuse raises ``UnauthenticatedError`` (no
     token, or one they do not know) or ``PermissionDeniedError`` (a token whose role may not).
     """
-    client = PSClient(ps, options)
-    try:
-        client.wait_connected()
-    except BaseException:
-        client.close()
-        raise
+    client = PSClient.connected(ps, options)
     return Session(client, worker_name or f"{socket.gethostname()}-{os.getpid()}", job, overlap=overlap)
 
 

@@ -177,20 +177,27 @@ def _given_back(logs: list[str]) -> dict[str, set[TaskRange]]:
     return given
 
 
-def test_workers_scaled_1_3_2_train_every_example_once_but_the_killed_ones_tasks(shards, workers):
-    ledger_placement(2)  # counts whole on shard 0, beside the queue; pad on shard 1
-    shard0, shard1 = shards(2, "--lease-timeout", str(LEASE))
-    ps = f"{shard0.address},{shard1.address}"
-
+def _scale_to_three_and_kill_b(ps: str, workers):
+    """w-a trains two tasks alone, w-b and w-c join; once both hold a task and w-b is 5 steps
+    into its own, w-b is SIGKILLed. Returns (w-a, w-c), still training."""
     a = workers(ps, "w-a")
     wait_until(lambda: a.alive() and _status(ps).data.tasks_done >= 2, WAIT, a.popen, "w-a's first two tasks")
     b, c = workers(ps, "w-b"), workers(ps, "w-c")
-    # Three workers train; w-b is some steps into a task when it dies.
     wait_until(lambda: all(w.alive() for w in (a, b, c))
                and (s := _status(ps)) and _held(s, "w-b") and _held(s, "w-c") and _pushes(s, "w-b") >= 5,
                WAIT, b.popen, "w-b and w-c holding tasks, w-b 5 steps in")
     b.kill(signal.SIGKILL)
     b.popen.wait(timeout=30)
+    return a, c
+
+
+def test_workers_scaled_1_3_2_train_every_example_once_but_the_killed_ones_tasks(shards, workers):
+    ledger_placement(2)  # counts whole on shard 0, beside the queue; pad on shard 1
+    shard0, shard1 = shards(2, "--lease-timeout", str(LEASE))
+    ps = f"{shard0.address},{shard1.address}"
+
+    # Three workers train; w-b is some steps into a task when it dies.
+    a, c = _scale_to_three_and_kill_b(ps, workers)
     # What the queue leases to w-b now, it died holding (a request of w-b's already on its way
     # could still report or lease one more: the eviction's own record is below).
     died_holding = _held(_status(ps), "w-b")
@@ -256,14 +263,7 @@ def test_shard0_restored_from_a_checkpoint_trains_every_example_once_but_the_lea
              "--shard-index", "0", "--num-shards", "1")
     (shard,) = shards(1, *flags)
     ps = shard.address
-    a = workers(ps, "w-a")
-    wait_until(lambda: a.alive() and _status(ps).data.tasks_done >= 2, WAIT, a.popen, "w-a's first two tasks")
-    b, c = workers(ps, "w-b"), workers(ps, "w-c")
-    wait_until(lambda: all(w.alive() for w in (a, b, c))
-               and (s := _status(ps)) and _held(s, "w-b") and _held(s, "w-c") and _pushes(s, "w-b") >= 5,
-               WAIT, b.popen, "w-b and w-c holding tasks, w-b 5 steps in")
-    b.kill(signal.SIGKILL)
-    b.popen.wait(timeout=30)
+    a, c = _scale_to_three_and_kill_b(ps, workers)
     wait_until(lambda: "evicted w-b " in shard.log(), 10 * LEASE, a.popen, "w-b's eviction")
 
     # Kill shard 0 mid-task for w-a and w-c, once the newest checkpoint was cut after w-b's
