@@ -33,7 +33,7 @@ from safetensors import SafetensorError, TensorSpec, deserialize, serialize
 from pswire.dtypes import dtype_from_safetensors, dtype_of
 from pswire.errors import InvalidArgumentError, PSError
 
-__all__ = ["CheckpointError", "CheckpointStore", "ShardPart"]
+__all__ = ["CheckpointError", "CheckpointStore", "JobEndedError", "ShardPart"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,14 @@ _PART_RE = re.compile(r"shard-(\d+)-of-(\d+)")
 
 class CheckpointError(PSError):
     """A checkpoint cannot be written or restored as asked; the message names it and the problem."""
+
+
+class JobEndedError(CheckpointError):
+    """Every checkpoint to restore belongs to a job ended by ``psctl end-job`` (the ENDED mark)."""
+
+    def __init__(self, message: str, *, job: str, after: int) -> None:
+        super().__init__(message)
+        self.job, self.after = job, after
 
 
 class _Unfinished(CheckpointError):
@@ -188,24 +196,31 @@ class CheckpointStore:
         complete checkpoint newer than LATEST, whose writer crashed before committing, is used only
         if LATEST's checkpoint is unusable.)
 
-        Returns None when nothing was ever committed (no LATEST, and every checkpoint for this shard
-        count is unfinished). Raises CheckpointError naming the problems when checkpoints exist but
-        none is usable, including ones made for a different shard count; ValueError on bad arguments.
+        Returns None when nothing was ever committed (no LATEST, or one that points into an ended
+        job's checkpoints, and every checkpoint for this shard count since the end is unfinished).
+        Raises JobEndedError when every checkpoint here belongs to an ended job (``mark_ended``);
+        CheckpointError naming the problems when checkpoints exist but none is usable, including
+        ones made for a different shard count; ValueError on bad arguments.
         """
         _check_args(shard_index, num_shards)
         problems: list[str] = []
         pointer = self._read_pointer(problems)
         scan = self._scan()
-        order = [pointer[0]] if pointer and pointer[1] == num_shards else []
-        order += sorted((c for c, ns in scan.items() if num_shards in ns and c not in order), reverse=True)
         ended = self.ended()
-        if ended is not None and order and max(order) <= ended["after"]:
-            raise CheckpointError(
-                f"the newest checkpoint in {self.root} ({max(order)}) belongs to job {ended['job']!r}, ended by "
-                "psctl end-job: nothing of a running job to restore; start the shard without --restore for a "
-                "new job (psctl export --checkpoint still reads the ended job's model)"
+        after = ended["after"] if ended is not None else -1
+        newest = max([*scan, pointer[0] if pointer else -1])
+        if ended is not None and newest <= after:
+            what = f"the newest checkpoint in {self.root} ({newest})" if newest >= 0 else \
+                f"every checkpoint in {self.root} (up to {after})"
+            raise JobEndedError(
+                f"{what} belongs to job {ended['job']!r}, ended by psctl end-job: nothing of a running job to "
+                "restore; start the shard without --restore (or with --restore auto) for a new job (psctl export "
+                "--checkpoint still reads the ended job's model)", job=ended["job"], after=after,
             )
-        order = [c for c in order if ended is None or c > ended["after"]]
+        # Only a later job's checkpoints count: the ended job's never come back.
+        order = [pointer[0]] if pointer and pointer[1] == num_shards and pointer[0] > after else []
+        order += sorted((c for c, ns in scan.items() if num_shards in ns and c not in order and c > after),
+                        reverse=True)
         only_unfinished = True
         for cid in order:
             try:
@@ -214,16 +229,26 @@ class CheckpointStore:
                 only_unfinished &= isinstance(exc, _Unfinished)
                 log.warning("checkpoint %d in %s is not usable, skipping it: %s", cid, self.root, exc)
                 problems.append(str(exc))
-        foreign = {c: n for c, ns in scan.items() for n in ns if n != num_shards}
-        if pointer and pointer[1] != num_shards:
+        foreign = {c: n for c, ns in scan.items() for n in ns if n != num_shards and c > after}
+        if pointer and pointer[1] != num_shards and pointer[0] > after:
             foreign[pointer[0]] = pointer[1]
         for cid in sorted(foreign, reverse=True)[:1]:
             problems.append(f"checkpoint {cid} in {self.root} was made for {foreign[cid]} shards, "
                             f"this job has {num_shards}")
-        if not foreign and only_unfinished and not (self.root / LATEST).exists():
+        # LATEST is the commit point: without it (or with it on an ended job's checkpoint), no
+        # complete checkpoint of this job was ever made, only ones whose writers crashed.
+        committed = (self.root / LATEST).exists() and not (pointer is not None and pointer[0] <= after)
+        if not foreign and only_unfinished and not committed:
             return None  # a crash during the very first checkpoint: there is nothing to restore
         raise CheckpointError(f"no usable checkpoint for shard {shard_index} of {num_shards} in {self.root}: "
                               + "; ".join(problems))
+
+    def unfinished(self, num_shards: int) -> list[int]:
+        """Ids of the checkpoints for ``num_shards`` shards that some part is missing from (or
+        damaged in), newest first: e.g. what :meth:`load` skipped before returning None. Checks
+        manifests and sizes only (no hashing)."""
+        return sorted((c for c, ns in self._scan().items() if num_shards in ns and not self._complete(c, num_shards)),
+                      reverse=True)
 
     def load_all(self, checkpoint_id: int | None = None) -> tuple[int, list[ShardPart]]:
         """Every part of one checkpoint, in shard order, for a reader of the whole job (the model

@@ -15,16 +15,17 @@ checkpoints, however far their clocks run ahead of their writers.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pswire.errors import InvalidArgumentError, NotReadyError, PreconditionError
-from psserver.checkpoint import CheckpointError, CheckpointStore, ShardPart
+from psserver.checkpoint import CheckpointError, CheckpointStore, JobEndedError, ShardPart
 from psserver.store import ShardStore
 
-__all__ = ["MAX_ID_AHEAD", "Checkpointer", "Schedule", "check_id", "parse_schedule"]
+__all__ = ["MAX_ID_AHEAD", "Checkpointer", "Restored", "Schedule", "check_id", "parse_schedule"]
 
 MAX_ID_AHEAD = 300
 """How far an on-demand checkpoint id may run ahead of the shard's wall clock in seconds (ids are
@@ -48,6 +49,18 @@ def check_id(checkpoint_id: int, last_id: int, now: float) -> None:
         )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a start-up restore did (``Checkpointer.restore``)."""
+
+    checkpoint_id: int | None
+    """The checkpoint loaded; None: the shard starts empty."""
+    reason: str
+    """One line for the log: "restored checkpoint N from DIR", "no checkpoint in DIR: starting empty", ..."""
+    level: int = logging.INFO
+    """Its logging level: WARNING where state may have been lost (only unfinished checkpoints)."""
 
 
 @dataclass(frozen=True)
@@ -164,19 +177,57 @@ class Checkpointer:
         schedule = self._schedule
         return float(schedule.every) if schedule is not None and schedule.unit == "seconds" else 0.0
 
-    def restore(self, shard_index: int, num_shards: int) -> int:
-        """Load this shard's part of the newest complete checkpoint into the (fresh) store.
-        Returns its id; raises ``CheckpointError`` when there is none usable."""
-        found = self._files.load(shard_index, num_shards)
-        if found is None:
-            raise CheckpointError(f"no checkpoint to restore in {self.directory}")
-        checkpoint_id, part = found
+    def restore(self, shard_index: int, num_shards: int, *, required: bool = True) -> Restored:
+        """Load this shard's part of the newest complete checkpoint into the (fresh) store; with
+        ``required`` False (``--restore auto``), leave the store empty when there is nothing to
+        restore: no directory, no checkpoint, only unfinished ones, or only an ended job's.
+        Returns what was done and why. Raises ``CheckpointError`` naming the problem when
+        checkpoints exist but none is usable (damaged, made for another shard count, or the
+        directory unreadable), whatever ``required``; and when ``required`` and there is nothing
+        to restore."""
+        where = self.directory
         try:
-            self._store.restore(part.tensors, part.metadata, source=f"checkpoint {checkpoint_id}")
-        except ValueError as exc:
-            raise CheckpointError(f"checkpoint {checkpoint_id} in {self.directory}: {exc}") from exc
-        self.last_id = checkpoint_id
-        return checkpoint_id
+            found = self._files.load(shard_index, num_shards)
+            ended = self._files.ended() if found is None else None
+            unfinished = self._files.unfinished(num_shards) if found is None else []
+        except JobEndedError as exc:
+            if required:
+                raise
+            self._warn_steps_after_end(exc.after)
+            return Restored(None, f"the checkpoints in {where} (up to {exc.after}) belong to job {exc.job!r}, ended "
+                                  "by psctl end-job: starting empty for a new job")
+        except OSError as exc:
+            raise CheckpointError(f"cannot read the checkpoints in {where}: {exc}") from exc
+        if found is not None:
+            checkpoint_id, part = found
+            try:
+                self._store.restore(part.tensors, part.metadata, source=f"checkpoint {checkpoint_id}")
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {checkpoint_id} in {where}: {exc}") from exc
+            self.last_id = checkpoint_id
+            return Restored(checkpoint_id, f"restored checkpoint {checkpoint_id} from {where}")
+        level = logging.INFO
+        if not os.path.isdir(where):
+            why = f"no checkpoint in {where}: it does not exist (yet)"
+        elif unfinished:
+            why, level = (f"no complete checkpoint in {where}: skipped unfinished checkpoint(s) "
+                          f"{', '.join(map(str, unfinished))} (their writers stopped before every part was written)",
+                          logging.WARNING)
+        else:
+            why = f"no checkpoint in {where}"
+        if ended is not None:
+            why += f" (the older ones belong to job {ended['job']!r}, ended by psctl end-job)"
+        if required:
+            raise CheckpointError(f"{why}: nothing to restore (--restore auto would start empty)")
+        if ended is not None:
+            self._warn_steps_after_end(ended["after"])
+        return Restored(None, f"{why}: starting empty", level)
+
+    def _warn_steps_after_end(self, after: int) -> None:
+        if self._schedule is not None and self._schedule.unit == "steps":
+            log.warning("checkpoints every %d steps are numbered by the job's clock: this job's stay below checkpoint "
+                        "%d of the ended job and are never restored from %s; give this job a new --checkpoint-dir, "
+                        "or checkpoint on a seconds schedule", self._schedule.every, after, self.directory)
 
     def start(self) -> None:
         if self._schedule is None:

@@ -16,7 +16,10 @@ from pswire.flags import add_fields, add_version, parse
 if TYPE_CHECKING:
     from psserver.auth import AdmissionCaps
 
-__all__ = ["ServerConfig", "parse_args"]
+__all__ = ["RESTORE_MODES", "ServerConfig", "parse_args"]
+
+RESTORE_MODES = ("never", "always", "auto")
+"""Values of ``ServerConfig.restore`` (``--restore``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,10 +44,10 @@ class ServerConfig:
     chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, metadata={"help": 'Chunk size of pull streams.'})
     init_timeout: float = field(default=60.0, metadata={"help": 'Seconds a registered initialiser has to upload the variables before another worker may.'})
     lease_timeout: float = field(default=30.0, metadata={"help": "Seconds without a heartbeat (or any call) after which a worker is evicted; 0 disables eviction."})
-    checkpoint_dir: str | None = field(default=None, metadata={"help": "Directory (may be shared storage) for checkpoints; enables psctl checkpoint."})
+    checkpoint_dir: str | None = field(default=None, metadata={"help": "Directory (may be shared storage) for checkpoints, created by the first checkpoint if missing; enables psctl checkpoint."})
     checkpoint_every: str = field(default="", metadata={"help": "Periodic checkpoints: 30s (seconds) or 500 (steps every worker completed); empty: only on demand."})
     keep: int = field(default=3, metadata={"help": "Complete checkpoints kept; older ones are deleted."})
-    restore: bool = field(default=False, metadata={"help": "Start from this shard's part of the newest complete checkpoint (needs --shard-index and --num-shards)."})
+    restore: str = field(default="never", metadata={"choices": RESTORE_MODES, "const": "always", "help": "Start from this shard's part of the newest complete checkpoint in --checkpoint-dir (needs --shard-index and --num-shards). always (a bare --restore): there must be one, else the shard exits 1 naming why. auto (for containers that restart): restore when there is one; start empty when there is none (the directory is missing or empty, its checkpoints are unfinished, or they belong to a job ended by psctl end-job), and still exit 1 when complete checkpoints exist but none is usable (damaged, or made for another --num-shards), rather than drop a trained model. never: start empty. PSSERVER_RESTORE also takes 1/true/yes/on (always) and 0/false/no/off (never)."})
     shard_index: int = field(default=-1, metadata={"help": "This shard's index in the job (needed by --restore)."})
     num_shards: int = field(default=0, metadata={"help": "Shards in the job (needed by --restore)."})
     grace: float = field(default=5.0, metadata={"help": 'Seconds in-flight RPCs get to finish on shutdown.'})
@@ -63,9 +66,15 @@ class ServerConfig:
             raise ValueError("chunk_bytes must be between 1 KiB and just under 4 MiB")
         if self.keep < 1:
             raise ValueError(f"keep must be >= 1, got {self.keep}")
-        if (self.checkpoint_every or self.restore) and not self.checkpoint_dir:
+        if isinstance(self.restore, bool):  # restore=True from callers that predate the modes
+            object.__setattr__(self, "restore", "always" if self.restore else "never")
+        if self.restore not in RESTORE_MODES:
+            raise ValueError(f"--restore must be one of {', '.join(RESTORE_MODES)} (a bare --restore: always), "
+                             f"got {self.restore!r}")
+        restores = self.restore != "never"
+        if (self.checkpoint_every or restores) and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every and --restore need --checkpoint-dir")
-        if self.restore and not 0 <= self.shard_index < self.num_shards:
+        if restores and not 0 <= self.shard_index < self.num_shards:
             raise ValueError("--restore needs --shard-index I and --num-shards N with 0 <= I < N")
         from psserver.checkpointer import parse_schedule
 

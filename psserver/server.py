@@ -117,7 +117,8 @@ class _Reaper:
 def create_server(config: ServerConfig, *, store: ShardStore | None = None, failpoint=None) -> Shard:
     """Build, bind and start a shard, with its metrics endpoint when ``config.metrics_port`` is
     set. Raises ``RuntimeError`` if the address (or the metrics port) cannot be bound or a
-    requested restore fails (naming why), ``ValueError`` if a TLS or token file cannot be read
+    requested restore fails (naming why: ``--restore always`` with nothing to restore, or
+    checkpoints that exist but none usable), ``ValueError`` if a TLS or token file cannot be read
     or parsed (naming its flag and path)."""
     tls = ServerTLS(cert_file=config.tls_cert, key_file=config.tls_key, client_ca_file=config.tls_client_ca) \
         if config.tls_cert else None
@@ -162,13 +163,15 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
             store, config.checkpoint_dir, keep=config.keep, schedule=parse_schedule(config.checkpoint_every),
             failpoint=failpoint, on_written=metrics.checkpoint_written if metrics is not None else None,
         )
-        if config.restore:
+        if config.restore != "never":
             try:
-                restored = checkpointer.restore(config.shard_index, config.num_shards)
+                restored = checkpointer.restore(config.shard_index, config.num_shards,
+                                                required=config.restore == "always")
             except CheckpointError as exc:
-                raise RuntimeError(f"cannot restore: {exc}") from exc
-            log.info("restored checkpoint %d from %s", restored, config.checkpoint_dir)
-            trim_heap()  # the checkpoint's file and decoded copies are gone; give their heap back
+                raise RuntimeError(f"cannot restore (--restore {config.restore}): {exc}") from exc
+            log.log(restored.level, "%s", restored.reason)
+            if restored.checkpoint_id is not None:
+                trim_heap()  # the checkpoint's file and decoded copies are gone; give their heap back
     target = f"{config.host}:{config.port}"
     try:
         if tls is not None:

@@ -26,6 +26,8 @@ NOT_RUN_HERE = {
         "the test command itself: .ci/run runs exactly this line (checked below)",
     "python3 -m venv .venv && .venv/bin/pip install torch":
         "installs the CUDA build of torch (several GB); CI machines have no GPU",
+    "docker compose -f docker/compose.yaml":
+        "a Docker engine's commands: tests/docker/test_compose.py runs each, as written",
     ".venv/bin/pscluster --shards 2 --workers 2 --task mnist1d-mlp --mode ssp --staleness 1":
         "runs Prometheus in the foreground until stopped; tests/observability runs this setup for real",
 }

@@ -88,10 +88,12 @@ def operands(expr: str) -> list[str]:
     return [p.strip() for p in pieces if p.strip()]
 
 
-def substitute(expr: str) -> str:
-    """A Grafana query as Prometheus takes it, the variables replaced by :data:`GRAFANA_VARIABLES`."""
-    for name in sorted(GRAFANA_VARIABLES, key=len, reverse=True):
-        expr = expr.replace(name, GRAFANA_VARIABLES[name])
+def substitute(expr: str, rate_interval: str | None = None) -> str:
+    """A Grafana query as Prometheus takes it, the variables replaced by :data:`GRAFANA_VARIABLES`
+    (``$__rate_interval`` by ``rate_interval`` when given: four scrape intervals or more)."""
+    values = dict(GRAFANA_VARIABLES, **({"$__rate_interval": rate_interval} if rate_interval else {}))
+    for name in sorted(values, key=len, reverse=True):
+        expr = expr.replace(name, values[name])
     return expr
 
 

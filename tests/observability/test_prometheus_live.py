@@ -19,7 +19,6 @@ Fails (in CI) or skips (elsewhere) when ``prometheus`` is not installed.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import signal
@@ -30,10 +29,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, child_env, run_cli, start_shard, terminate
-from tests.observability.prom import Prometheus, PrometheusError, config, file_sd_job_config, tool, wait_for
-from tests.observability.promql import (
-    ALERTS, contract_metrics, dashboard_queries, load_dashboard, metric_names, operands, substitute, variable_queries,
+from tests.observability.prom import (
+    Prometheus, config, dashboard_query_list, file_sd_job_config, loaded_alert_queries, tool, wait_for, without_data,
 )
+from tests.observability.promql import ALERTS, contract_metrics, load_dashboard, metric_names, substitute, variable_queries
 
 pytestmark = [pytest.mark.integration]
 
@@ -157,38 +156,6 @@ def replace_with_file(directory: Path) -> None:
 
 def alert_states(prom: Prometheus, name: str) -> set[str]:
     return {a["state"] for a in prom.alerts() if a["labels"]["alertname"] == name}
-
-
-# --- queries -------------------------------------------------------------------------------
-
-
-def loaded_alert_queries(prom: Prometheus) -> list[tuple[str, str]]:
-    """``(where, query)``: each metric-selecting operand of each alerting rule Prometheus loaded."""
-    queries = []
-    for group in prom.api("rules", type="alert")["groups"]:
-        for rule in group["rules"]:
-            for i, piece in enumerate(operands(rule["query"])):
-                if metric_names(piece):
-                    queries.append((f"alert {rule['name']} operand {i}", piece))
-    return queries
-
-
-def dashboard_query_list() -> list[tuple[str, str]]:
-    return [(q.where, substitute(q.expr)) for q in dashboard_queries(load_dashboard())]
-
-
-def without_data(prom: Prometheus, queries: list[tuple[str, str]]) -> list[str]:
-    """The queries that return no series with a finite value now, with what they returned. A
-    query Prometheus refuses (a syntax error) fails the test at once."""
-    missing = []
-    for where, expr in queries:
-        try:
-            series = prom.query(expr)
-        except PrometheusError as exc:
-            raise AssertionError(f"{where}: Prometheus refused {expr!r}: {exc}") from None
-        if not any(math.isfinite(float(s["value"][1])) for s in series):
-            missing.append(f"{where}: {expr}\n    -> {[(s['metric'], s['value'][1]) for s in series[:4]]}")
-    return missing
 
 
 # --- tests ---------------------------------------------------------------------------------

@@ -115,3 +115,46 @@ def test_a_field_default_is_written_once_unless_the_help_states_it(flag, expecte
     flags.add_fields(parser, _Settings)
     (action,) = [a for a in parser._actions if flag in a.option_strings]
     assert action.help == expected
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Switches:
+    level: str = dataclasses.field(default="low", metadata={"help": "Level.", "choices": ("low", "mid", "high"),
+                                                             "const": "high"})
+    name: str = dataclasses.field(default="x", metadata={"help": "Name."})
+    switch: bool = dataclasses.field(default=False, metadata={"help": "A switch."})
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    ([], {}, ("low", "x", False)),
+    (["--level"], {}, ("high", "x", False)),  # a bare switch gives const
+    (["--level", "mid", "--name", "y", "--switch"], {}, ("mid", "y", True)),
+    (["--level", "--switch"], {}, ("high", "x", True)),
+    ([], {"T_LEVEL": "mid", "T_NAME": "on", "T_SWITCH": "yes"}, ("mid", "on", True)),
+    ([], {"T_LEVEL": "yes"}, ("high", "x", False)),  # the bool spellings of a switch: const ...
+    ([], {"T_LEVEL": "0"}, ("low", "x", False)),  # ... and the default
+    ([], {"T_LEVEL": ""}, ("low", "x", False)),
+    (["--level", "mid"], {"T_LEVEL": "high"}, ("mid", "x", False)),
+])
+def test_a_field_with_const_is_a_switch_that_may_take_a_value(argv, env, expected):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    flags.add_fields(parser, _Switches)
+    got = flags.parse(_Switches, parser, argv, env, "T")
+    assert (got.level, got.name, got.switch) == expected
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--level", "top"], {}, "argument --level: invalid choice: 'top' (choose from 'low', 'mid', 'high')"),
+    ([], {"T_LEVEL": "top"}, "T_LEVEL='top' (--level) must be one of low, mid, high, or 1/true/yes/on (high) or "
+                             "0/false/no/off (low)"),
+])
+def test_choices_bound_flags_and_variables_alike(argv, env, message, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    flags.add_fields(parser, _Switches)
+    with pytest.raises(SystemExit) as info:
+        flags.parse(_Switches, parser, argv, env, "T")
+    assert info.value.code == 2 and message in capsys.readouterr().err
