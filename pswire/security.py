@@ -16,6 +16,7 @@ and the tests use it); production deployments bring their own.
 from __future__ import annotations
 
 import ipaddress
+import secrets
 import os
 import ssl
 from collections.abc import Sequence
@@ -25,8 +26,9 @@ from pathlib import Path
 import grpc
 
 __all__ = [
-    "AUTH_METADATA_KEY", "ClientSecurity", "DevPKI", "MIN_TOKEN_CHARS", "ServerTLS", "TOKEN_ENV", "check_token",
-    "client_security", "host_of", "make_dev_pki", "read_file", "read_token", "write_private_file",
+    "AUTH_METADATA_KEY", "ClientSecurity", "DevPKI", "MIN_TOKEN_CHARS", "ROLES", "ServerTLS", "TOKEN_ENV",
+    "check_token", "client_security", "host_of", "make_dev_pki", "read_file", "read_token", "write_private_file",
+    "write_token_files",
 ]
 
 TOKEN_ENV = "PSGRPC_TOKEN"
@@ -216,6 +218,29 @@ def write_private_file(path: str | os.PathLike, data: bytes) -> None:
     os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+ROLES = ("reader", "worker", "admin")
+"""The roles a shard's token file grants (``psserver.auth``), lowest first."""
+
+
+def write_token_files(directory: str | os.PathLike, *, keep: bool = False) -> dict[str, Path]:
+    """Fresh tokens, one per role: ``DIRECTORY/tokens`` (the shards' ``--auth-token-file``, one
+    ``ROLE TOKEN`` line each) and ``DIRECTORY/ROLE.token`` (a client's ``--token-file``), all
+    mode 0600. With ``keep``, a directory that already holds every file is left as it is (a
+    container that runs this at each start keeps the tokens its shards and workers have). Returns
+    the paths by name ("tokens", "worker", "reader", "admin"). Raises ``OSError``."""
+    directory = Path(directory)
+    paths = {"tokens": directory / "tokens", **{role: directory / f"{role}.token" for role in ROLES}}
+    if keep and all(path.is_file() for path in paths.values()):
+        return paths
+    directory.mkdir(parents=True, exist_ok=True)
+    tokens = {role: secrets.token_urlsafe(32) for role in ROLES}
+    for role in ROLES:
+        write_private_file(paths[role], f"{tokens[role]}\n".encode())
+    # The shards' file last: a reader that finds it finds every client file too.
+    write_private_file(paths["tokens"], "".join(f"{role} {tokens[role]}\n" for role in ROLES).encode())
+    return paths
 
 
 @dataclass(frozen=True)

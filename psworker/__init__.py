@@ -20,6 +20,12 @@ certificate this worker lacks (``ClientOptions(security=ClientSecurity(...))``),
 ``OverloadedError`` when a shard turned a call away (retried with backoff before it is raised).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pswire.consistency import Consistency
 from pswire.errors import (
     DeadlineError,
     FencedError,
@@ -33,14 +39,25 @@ from pswire.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
 from pswire.security import ClientSecurity
-from psworker.api import DistributedOptimizer, Session, connect
-from psworker.client import ClientOptions, PSClient
-from psworker.elastic import DataFeed, ElasticSampler
-from psworker.export import load_checkpoint
-from psworker.tasks import Task, TaskDefaults, evaluate, load_task
+from psworker.options import ClientOptions
+
+# These need torch, which an operator's tools (psctl) must run without: each is imported on first
+# use (PEP 562), so ``import psworker.ctl`` loads none of them.
+_LAZY = {
+    "DistributedOptimizer": "psworker.api",
+    "Session": "psworker.api",
+    "connect": "psworker.api",
+    "PSClient": "psworker.client",
+    "DataFeed": "psworker.elastic",
+    "ElasticSampler": "psworker.elastic",
+    "load_checkpoint": "psworker.export",
+    "Task": "psworker.tasks",
+    "TaskDefaults": "psworker.tasks",
+    "evaluate": "psworker.tasks",
+    "load_task": "psworker.tasks",
+}
 
 __all__ = [
     "ClientOptions",
@@ -70,3 +87,16 @@ __all__ = [
     "load_checkpoint",
     "load_task",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

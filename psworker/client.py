@@ -1,5 +1,6 @@
 """The worker's side of the wire: a ``PSClient`` that talks to every shard of a job at once,
-through one ``psworker.shard.ShardClient`` per shard.
+through one ``psworker.shard.ShardClient`` per shard. It is a ``psworker.admin.AdminClient``
+(status, checkpoint, end-job, health, waiting for the shards) that registers and moves tensors.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from pswire.optim import OptimizerConfig
 from pswire.placement import Placement, VariableSpec, place
 from pswire.v1 import ps_pb2
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_to_proto
-from psworker.tensors import tensor_bytes, torch_dtype
+from psworker.admin import AdminClient
+from psworker.options import ClientOptions, parse_addresses
 from psworker.retry import retrying
-from psworker.shard import ClientOptions, ShardClient, parse_addresses
+from psworker.shard import ShardClient
+from psworker.tensors import tensor_bytes, torch_dtype
 
 __all__ = ["ClientOptions", "PSClient", "ShardClient", "parse_addresses"]
 
@@ -52,7 +55,7 @@ class _ShardSession:
     must still match for a pull to skip the part: a new tensor can get a freed one's address."""
 
 
-class PSClient:
+class PSClient(AdminClient):
     """A worker's connection to every shard of a job.
 
     Calls fan out to all shards concurrently and return when every shard has answered; an error
@@ -68,11 +71,11 @@ class PSClient:
     the bound); in async nothing waits and it is 0.
     """
 
+    _shard_type = ShardClient
+    _clients: list[ShardClient]
+
     def __init__(self, addresses: str | Sequence[str], options: ClientOptions | None = None) -> None:
-        self.addresses = parse_addresses(addresses)
-        self.options = options or ClientOptions()
-        self._clients = [ShardClient(a, self.options) for a in self.addresses]
-        self._pool = futures.ThreadPoolExecutor(max_workers=len(self._clients), thread_name_prefix="psclient")
+        super().__init__(addresses, options)
         self._lock = threading.Lock()  # guards _sessions and placement against concurrent step calls
         self.placement: Placement | None = None
         self.consistency = Consistency()
@@ -92,47 +95,6 @@ class PSClient:
         """Set when a shard says this worker's registration is void (evicted): re-register."""
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
-
-    @property
-    def num_shards(self) -> int:
-        return len(self._clients)
-
-    def _fan_out(self, fn, items):
-        first, *rest = items
-        # The first call runs on this thread: a hand-off to the pool costs about as much as a
-        # small call, and with one shard there is nothing to overlap.
-        futs = [self._pool.submit(fn, item) for item in rest]
-        try:
-            results = [fn(first)]
-        finally:
-            # Every call ends before an error is raised, so none is left running (a retry, say)
-            # under the caller's next step. Each call carries its own gRPC deadline; this outer
-            # bound only guards against a hang.
-            futures.wait(futs, timeout=self.options.connect_timeout + 3600)
-        return results + [f.result(timeout=0) for f in futs]
-
-    @classmethod
-    def connected(cls, addresses: str | Sequence[str], options: ClientOptions | None = None) -> "PSClient":
-        """A client whose every shard answered within ``options.connect_timeout`` (closed again
-        if one did not: ``wait_connected`` raises)."""
-        client = cls(addresses, options)
-        try:
-            client.wait_connected()
-        except BaseException:
-            client.close()
-            raise
-        return client
-
-    def wait_connected(self) -> None:
-        """Wait up to ``options.connect_timeout`` for every shard to accept a connection, saying
-        at once what it waits for. Raises ``UnavailableError`` naming a shard that did not, and why."""
-        timeout = self.options.connect_timeout
-        if len(self._clients) == 1:
-            log.info("connecting to shard %s (waiting up to %.0fs for it to answer)", self.addresses[0], timeout)
-        else:
-            log.info("connecting to %d shards, %s (waiting up to %.0fs for each to answer)", len(self._clients),
-                     ", ".join(self.addresses), timeout)
-        self._fan_out(lambda c: c.wait_connected(timeout), self._clients)
 
     def set_placement(self, spec: Sequence[VariableSpec]) -> Placement:
         """Compute the placement of ``spec`` on this job's shards (no RPC)."""
@@ -474,22 +436,6 @@ class PSClient:
         a shard's generation may repeat one given out before a restore from a checkpoint."""
         return self._registrations
 
-    def status(self) -> list[ps_pb2.StatusResponse]:
-        return self._fan_out(lambda c: c.status(), self._clients)
-
-    def checkpoint(self, checkpoint_id: int) -> list[ps_pb2.CheckpointResponse]:
-        """Ask every shard to write its part of checkpoint ``checkpoint_id`` (admin)."""
-        return self._fan_out(
-            lambda c: c.checkpoint(ps_pb2.CheckpointRequest(checkpoint_id=checkpoint_id)),
-            self._clients,
-        )
-
-    def end_job(self, checkpoint_id: int = 0, job_fingerprint: str = "") -> list[ps_pb2.EndJobResponse]:
-        """End the job on every shard (``psctl end-job``), each after writing its part of
-        checkpoint ``checkpoint_id`` when non-zero; replies in shard order."""
-        request = ps_pb2.EndJobRequest(checkpoint_id=checkpoint_id, job_fingerprint=job_fingerprint)
-        return self._fan_out(lambda c: c.end_job(request), self._clients)
-
     def _require_sessions(self) -> list[_ShardSession]:
         with self._lock:
             if not self._sessions:
@@ -500,15 +446,7 @@ class PSClient:
         self._heartbeat_stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for c in self._clients:
-            c.close()
-
-    def __enter__(self) -> "PSClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().close()
 
 
 def _phases(seconds: float, pushed: int, pulled: int, may_wait: bool) -> tuple[float, float, float]:

@@ -43,7 +43,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -56,7 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pswire.flags import add_version, values_from
-from pswire.security import TOKEN_ENV, ClientSecurity, make_dev_pki, write_private_file
+from pswire.security import TOKEN_ENV, ClientSecurity, make_dev_pki, read_token, write_token_files
 from psworker.config import WorkerConfig, build_parser
 
 if TYPE_CHECKING:
@@ -433,16 +432,12 @@ def _credentials(args: argparse.Namespace, run_dir: Path) -> _Credentials:
         client = {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)}
         log.info("--tls: shards require client certificates signed by the throwaway CA %s", pki.ca)
     if args.auth:
-        tokens = {role: secrets.token_urlsafe(32) for role in ("worker", "reader", "admin")}
-        token_file = run_dir / "tokens"
-        write_private_file(token_file, "".join(f"{role} {token}\n" for role, token in tokens.items()).encode())
-        for role in ("reader", "admin"):
-            write_private_file(run_dir / f"{role}.token", f"{tokens[role]}\n".encode())
-        shard_args += ["--auth-token-file", str(token_file)]
-        worker_env[TOKEN_ENV] = tokens["worker"]
-        client["token"] = tokens["reader"]
-        log.info("--auth: shards check tokens from %s; for psctl checkpoint: --token-file %s", token_file,
-                 run_dir / "admin.token")
+        paths = write_token_files(run_dir)
+        shard_args += ["--auth-token-file", str(paths["tokens"])]
+        worker_env[TOKEN_ENV] = read_token(str(paths["worker"]))
+        client["token"] = read_token(str(paths["reader"]))
+        log.info("--auth: shards check tokens from %s; for psctl checkpoint: --token-file %s", paths["tokens"],
+                 paths["admin"])
     return _Credentials(shard_args, worker_args, worker_env, ClientSecurity(**client) if client else None)
 
 

@@ -5,11 +5,18 @@
     psctl export (--ps HOST:PORT[,HOST:PORT...] | --checkpoint DIR [--id N]) --out FILE
     psctl end-job --ps HOST:PORT[,HOST:PORT...] [--checkpoint [--id N]]
     psctl status --ps ... --watch [SECONDS]
+    psctl health --ps HOST:PORT[,HOST:PORT...] [--timeout SECONDS] [--json]
+    psctl tokens --out DIR [--keep]
 
 They take ``--tls-ca F [--tls-cert F --tls-key F]`` for shards that serve TLS, and the token from
 ``--token-file F`` or the ``PSGRPC_TOKEN`` environment variable for shards that check tokens
-(status and export need the reader role, checkpoint and end-job the admin role). This module is psctl's
-configuration too: it alone reads its flags and environment.
+(status and export need the reader role, checkpoint and end-job the admin role; health needs no
+token, as the shards' health service is open). This module is psctl's configuration too: it alone
+reads its flags and environment.
+
+Every command but export runs without torch (``psworker.admin``), so psctl works in an image
+that holds psserver alone: ``psctl health --ps 127.0.0.1:7000`` is its health check (exit 0 when
+every shard says SERVING).
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pswire.data import DataPlan
 from pswire.errors import PreconditionError, PSError
 from pswire.flags import add_version
-from pswire.security import TOKEN_ENV, ClientSecurity, client_security
-from psworker.client import ClientOptions, PSClient
+from pswire.security import TOKEN_ENV, ClientSecurity, client_security, host_of, write_token_files
+from psworker.admin import AdminClient
+from psworker.options import ClientOptions, parse_addresses
 
 __all__ = ["default_checkpoint_id", "main"]
 
@@ -38,9 +46,18 @@ def default_checkpoint_id(now: float, last_ids: Iterable[int]) -> int:
 
 
 def _status(ps: str, timeout: float, security: ClientSecurity | None) -> list[dict]:
-    with PSClient(ps, ClientOptions(timeout=timeout, connect_timeout=timeout, security=security)) as client:
-        client.wait_connected()
-        return [_plain(s) for s in client.status()]
+    options = ClientOptions(timeout=timeout, connect_timeout=timeout, security=security)
+    with AdminClient.connected(ps, options) as client:
+        shards = [_plain(s) for s in client.status()]
+    # A shard reports the address it bound; one bound to every interface (a container's 0.0.0.0)
+    # is named by the address it was reached at instead, so that two shards can be told apart.
+    for shard, reached in zip(shards, parse_addresses(ps)):
+        if host_of(shard["address"]) in _ANY_INTERFACE:
+            shard["address"] = reached
+    return shards
+
+
+_ANY_INTERFACE = ("0.0.0.0", "::", "")
 
 
 def _plain(message) -> dict:
@@ -124,18 +141,22 @@ def _data_line(q: dict) -> str:
     )
 
 
-def _add_security(parser: argparse.ArgumentParser, role: str) -> None:
+def _add_tls(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", help="PEM bundle of the CA that signed the shards' certificates (TLS)")
     parser.add_argument("--tls-cert", help="PEM client certificate, for shards that require one (mutual TLS)")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def _add_security(parser: argparse.ArgumentParser, role: str) -> None:
+    _add_tls(parser)
     roles = "the admin role" if role == "admin" else f"the {role} role or above"
     parser.add_argument("--token-file", help=f"file holding a token of {roles}, for shards that check tokens; "
                         f"default: the {TOKEN_ENV} environment variable")
 
 
-def _client(args: argparse.Namespace, security: ClientSecurity | None) -> PSClient:
+def _client(args: argparse.Namespace, security: ClientSecurity | None) -> AdminClient:
     options = ClientOptions(timeout=args.timeout, connect_timeout=min(args.timeout, 10.0), security=security)
-    return PSClient.connected(args.ps, options)
+    return AdminClient.connected(args.ps, options)
 
 
 def _checkpoint(args: argparse.Namespace, security: ClientSecurity | None) -> int:
@@ -202,8 +223,8 @@ def _watch(args: argparse.Namespace, security: ClientSecurity | None, out=sys.st
     """``status --watch``: the status every ``args.watch`` seconds until Ctrl-C, redrawn in place
     on a terminal, one block (or one JSON line with ``--json``) per refresh otherwise."""
     clear = "\x1b[H\x1b[2J" if out.isatty() and not args.json else ""
-    with PSClient(args.ps, ClientOptions(timeout=args.timeout, connect_timeout=args.timeout,
-                                         security=security)) as client:
+    with AdminClient(args.ps, ClientOptions(timeout=args.timeout, connect_timeout=args.timeout,
+                                            security=security)) as client:
         before: list[dict] | None = None
         last = time.monotonic()
         try:
@@ -233,11 +254,35 @@ def _watch(args: argparse.Namespace, security: ClientSecurity | None, out=sys.st
 
 
 def _export(args: argparse.Namespace, security: ClientSecurity | None) -> int:
-    from psworker.export import export
+    # The one command that needs torch (the model leaves as torch tensors): imported here, not at
+    # the top, so that every other command runs where torch is not installed (the server image).
+    try:
+        from psworker.export import export
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "torch":
+            raise
+        print("psctl: export needs torch, which is not installed here: run it where the worker is installed "
+              "(the worker image, or a full install: pip install torch)", file=sys.stderr)
+        return 1
 
     options = ClientOptions(timeout=args.timeout, connect_timeout=args.timeout, security=security)
     print(export(args.out, ps=args.ps, checkpoint=args.checkpoint, checkpoint_id=args.id, options=options))
     return 0
+
+
+def _health(args: argparse.Namespace, security: ClientSecurity | None) -> int:
+    """One health check per shard, side by side, within ``--timeout``: exit 0 when every shard
+    says SERVING. Never retried: a container runtime's HEALTHCHECK does the retrying."""
+    options = ClientOptions(timeout=args.timeout, connect_timeout=args.timeout, security=security)
+    with AdminClient(args.ps, options) as client:
+        reports = client.health(args.timeout)
+    if args.json:
+        print(json.dumps([{"address": r.address, "status": r.status, "serving": r.serving, "reason": r.reason}
+                          for r in reports], indent=2))
+    else:
+        for r in reports:
+            print(f"{r.address}: {r.status}" + (f": {r.reason}" if r.reason else ""))
+    return 0 if all(r.serving for r in reports) else 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -283,23 +328,58 @@ def _parser() -> argparse.ArgumentParser:
     end.add_argument("--id", type=int, default=None, help="with --checkpoint: its id (default as psctl checkpoint)")
     end.add_argument("--timeout", type=float, default=300.0, help="seconds per call (default: 300)")
     _add_security(end, "admin")
+    health = sub.add_parser("health", help="ask each shard's standard gRPC health service whether it is serving "
+                            "(exit 0 when every shard is; no token needed): a container health check")
+    health.add_argument("--ps", required=True, help="HOST:PORT[,HOST:PORT...]")
+    health.add_argument("--timeout", type=float, default=3.0,
+                        help="seconds to wait for each shard's answer, shards checked side by side (default: 3)")
+    health.add_argument("--json", action="store_true", help="print JSON instead of a line per shard")
+    _add_tls(health)
+    tokens = sub.add_parser("tokens", help="write fresh tokens for psserver --auth-token-file and the clients "
+                            "(no shard needed)")
+    tokens.add_argument("--out", required=True, metavar="DIR",
+                        help="directory to write into (created): tokens (the shards' file, one ROLE TOKEN line "
+                        "per role) and reader.token, worker.token, admin.token (each client's --token-file), "
+                        "all mode 600")
+    tokens.add_argument("--keep", action="store_true",
+                        help="leave DIR as it is when it already holds every file (a container that runs this "
+                        "at each start keeps its tokens)")
     return parser
+
+
+def _tokens(args: argparse.Namespace) -> int:
+    paths = write_token_files(args.out, keep=args.keep)
+    print(f"tokens in {paths['tokens'].parent}: psserver --auth-token-file {paths['tokens']}; clients "
+          f"--token-file {paths['reader']} (status, export), {paths['worker']} (workers), "
+          f"{paths['admin']} (checkpoint, end-job)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "tokens":  # local files only: no shard, timeout or credentials
+        try:
+            return _tokens(args)
+        except OSError as exc:
+            print(f"psctl: tokens: {exc}", file=sys.stderr)
+            return 1
     if getattr(args, "id", None) is not None and args.id < 1:
         parser.error(f"--id must be >= 1, got {args.id}")
     if getattr(args, "watch", None) is not None and args.watch <= 0:
         parser.error(f"--watch must be a positive number of seconds, got {args.watch:g}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    # health carries no token (the health service is open): neither asks for one nor fails on a bad one.
+    with_token = args.command != "health"
     try:
         security = client_security(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                                   token_file=args.token_file, env_token=env.get(TOKEN_ENV))
+                                   token_file=args.token_file if with_token else None,
+                                   env_token=env.get(TOKEN_ENV) if with_token else None)
     except ValueError as exc:
         parser.error(str(exc))
-    command = {"checkpoint": _checkpoint, "end-job": _end_job, "export": _export}.get(args.command)
+    command = {"checkpoint": _checkpoint, "end-job": _end_job, "export": _export, "health": _health}.get(args.command)
     if command is None:
         command = _watch if args.watch is not None else _show
     try:

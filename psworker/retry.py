@@ -12,7 +12,7 @@ to give when a shard refused one.
 a budget of seconds (``ClientOptions.retry_timeout``) spent on attempts a couple of seconds apart
 with jittered exponential backoff, after which it raises the last error naming the shard, the
 reason, since when and how many attempts were made. The channel's own transparent retries of
-reads (``psworker.shard``'s service config) happen below this and are not seen here.
+reads (``psworker.channel``'s service config) happen below this and are not seen here.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pswire import errors
 from pswire.security import TOKEN_ENV
 
 if TYPE_CHECKING:
-    from psworker.shard import ClientOptions
+    from psworker.options import ClientOptions
 
 __all__ = ["REPORT_EVERY", "retrying", "translate", "unreachable"]
 

@@ -1,179 +1,45 @@
-"""One shard's gRPC stub, ``ShardClient``, with its deadlines, credentials (TLS, bearer token:
-``ClientOptions.security``) and bulk lanes. Every ``grpc.RpcError`` it catches becomes a
-``pswire.errors`` error through ``psworker.retry.translate``, which with ``retrying`` decides
-what is retried and for how long.
+"""One shard's tensor traffic, ``ShardClient``: registration, pushes, pulls and their bulk lanes,
+on top of the torch-free ``psworker.channel.ShardChannel`` (channel, credentials, waiting for
+the connection, status and the administrative calls). Every ``grpc.RpcError`` it catches
+becomes a ``pswire.errors`` error through ``psworker.retry.translate``, which with ``retrying``
+decides what is retried and for how long.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 import torch
 
 from pswire import errors, frames
-from pswire.dtypes import dtype_of
 from pswire.lanes import LaneError
 from pswire.security import ClientSecurity, host_of
-from pswire.codec import (
-    DEFAULT_CHUNK_BYTES, WIRE_DTYPES, ChunkAssembler, Part, on_wire, wire_dtype_from_proto,
-)
-from pswire.v1 import ps_pb2, ps_pb2_grpc
+from pswire.codec import ChunkAssembler, Part, on_wire, wire_dtype_from_proto
+from pswire.v1 import ps_pb2
+from psworker.channel import KEEPALIVE_MS, SERVICE, ShardChannel
 from psworker.lanes import Lane, LanePool
-from psworker.retry import REPORT_EVERY, retrying, translate, unreachable
+from psworker.options import ClientOptions, parse_addresses
+from psworker.retry import retrying, translate
 from psworker.tensors import tensor_bytes, torch_dtype
 
 __all__ = ["KEEPALIVE_MS", "SERVICE", "ClientOptions", "ClientSecurity", "ShardClient", "parse_addresses"]
 
-log = logging.getLogger(__name__)
-
-SERVICE = "pswire.v1.ParameterServer"
-_MESSAGE_LIMIT = 64 << 20
-KEEPALIVE_MS = 5000
-"""Interval of the client's keepalive pings (psserver permits one per second at most)."""
-
-# Only reads and the idempotent join are retried by the channel; a push is never replayed
-# blindly (it would apply twice).
-_SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": SERVICE, "method": m} for m in ("Register", "Pull", "Status", "Leave")],
-        "retryPolicy": {
-            "maxAttempts": 5,
-            "initialBackoff": "0.2s",
-            "maxBackoff": "3s",
-            "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
-        },
-    }]
-})
-
-
-def parse_addresses(spec: str | Sequence[str]) -> list[str]:
-    """``"h1:p1,h2:p2"`` (or a list) to a list of addresses; raises ``ValueError`` if malformed."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    out = [a.strip() for a in items if a.strip()]
-    if not out:
-        raise ValueError("no parameter-server address given (expected HOST:PORT[,HOST:PORT...])")
-    for address in out:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bad parameter-server address {address!r}: expected HOST:PORT")
-    if len(set(out)) != len(out):
-        raise ValueError(f"a parameter-server address is listed twice in {out}")
-    return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClientOptions:
-    timeout: float = 30.0
-    """Deadline of a small RPC in seconds; large transfers get ``bytes / min_bandwidth`` more."""
-    min_bandwidth: float = 20e6
-    """Bytes per second a transfer is assumed to reach at worst, to size its deadline."""
-    connect_timeout: float = 60.0
-    """Seconds to wait for every shard to accept a connection."""
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Size of the chunks a push or initialisation is cut into."""
-    wait_timeout: float = 600.0
-    """Seconds a pull may wait on the staleness bound (ssp/sync) before failing."""
-    retry_timeout: float = 120.0
-    """Seconds a push or pull keeps retrying an unreachable shard (e.g. one being restarted)."""
-    wire_dtype: Any = None
-    """Wire compression: send floating-point gradients and pull weights in this dtype
-    (``torch.bfloat16`` or ``torch.float16``, or the ``pswire.dtypes`` of the same names, which
-    it becomes; the shards keep and update full precision).
-    Halves the bytes moved; the weights a worker computes with are rounded to it."""
-    inline_bytes: int = 256 << 10
-    """Pushes and pulls of at most this many bytes to one shard go in a single message
-    (PushInline / PullInline) instead of a stream, which costs a round of thread hand-offs
-    per call; 0 always streams."""
-    bulk: bool = True
-    """Send the bytes of larger pushes and pulls on the shard's bulk lanes (plain TCP beside the
-    gRPC call, ``pswire.lanes``) when it offers them; False: every byte goes through gRPC."""
-    security: ClientSecurity | None = None
-    """TLS (the shards' CA; a client certificate for mutual TLS) and the bearer token every call
-    carries; None: plaintext without a token."""
-    on_retry: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
-    """Called with what is retried (``"push"``, ``"pull"``, ...) each time a call is retried
-    after the shard was unreachable, too slow or overloaded (a hook for metrics; it must not
-    raise). The channel's own transparent retries of reads are not seen here."""
-    on_exchange: Callable[[float, float, float], None] | None = field(default=None, compare=False, repr=False)
-    """Called after each ``PSClient`` push, pull and push-and-pull with its seconds split into
-    ``(push, pull, wait)`` (see ``PSClient``; a hook for metrics; it must not raise)."""
-
-    def __post_init__(self) -> None:
-        if min(self.timeout, self.min_bandwidth, self.connect_timeout, self.wait_timeout, self.retry_timeout) <= 0:
-            raise ValueError("timeouts and min_bandwidth must be > 0")
-        if not 1024 <= self.chunk_bytes < (4 << 20):
-            raise ValueError("chunk_bytes must be between 1 KiB and 4 MiB")
-        if not 0 <= self.inline_bytes <= (4 << 20):
-            raise ValueError("inline_bytes must be between 0 and 4 MiB")
-        if self.wire_dtype is not None:
-            try:
-                wire = dtype_of(self.wire_dtype)
-            except errors.InvalidArgumentError:
-                wire = None
-            if wire not in WIRE_DTYPES.values():
-                raise ValueError(f"wire_dtype must be None, torch.bfloat16 or torch.float16, got {self.wire_dtype}")
-            object.__setattr__(self, "wire_dtype", wire)
-
-    def deadline(self, nbytes: int) -> float:
-        return self.timeout + nbytes / self.min_bandwidth
-
-
-_FIRST_REPORT = 1.0
-"""Seconds ``ShardClient.wait_connected`` waits in silence before it says why the shard does not
-answer (a shard that is up answers within milliseconds)."""
-_PROBE_TIMEOUT = 2.0
-"""Deadline of the health check that finds out why a shard does not answer."""
 _LEAVE_TIMEOUT = 5.0
 """Deadline of a Leave (at most ``ClientOptions.timeout``): it runs on the way out, and a shard
 that does not answer it evicts the worker when its lease runs out anyway."""
 
 
-class ShardClient:
-    """Calls to one shard. Every call has a deadline; errors are ``pswire.errors`` types.
-
-    No call waits for the connection (``wait_for_ready``): once :meth:`wait_connected` has
-    found the shard, a call to a shard that went away fails at once as ``UnavailableError``
-    ("shard H:P unreachable: connection refused"), and the retrying caller decides how long to
-    keep trying (``psworker.retry.retrying``), instead of each attempt waiting out its whole
-    deadline."""
+class ShardClient(ShardChannel):
+    """Calls to one shard, tensors included. Every call has a deadline; errors are
+    ``pswire.errors`` types; no call waits for the connection (see ``ShardChannel``)."""
 
     def __init__(self, address: str, options: ClientOptions) -> None:
-        self.address = address
-        self.options = options
+        super().__init__(address, options)
         security = options.security
-        credentials = security.channel_credentials() if security is not None else None
-        self._metadata = security.metadata() if security is not None else None
-        """Sent with every call and stream (the token): call credentials would need TLS."""
         self.session: tuple[int, int, bytes] | None = None
         """(worker id, generation, session secret) of this worker's registration on the shard,
         set by ``PSClient`` after Register; a bulk lane proves it when it opens."""
-        channel_options = [
-            ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
-            ("grpc.max_send_message_length", _MESSAGE_LIMIT),
-            ("grpc.enable_retries", 1),
-            ("grpc.service_config", _SERVICE_CONFIG),
-            # Reconnect quickly to a shard that restarts (the default backoff grows to 2 min).
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-            # Find a connection that went dead (a partition) by pings, rather than waiting out
-            # TCP's retransmission backoff once the network heals; the shards allow this rate.
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-        ]
-        if credentials is not None:
-            self._channel = grpc.secure_channel(address, credentials, options=channel_options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=channel_options)
-        self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         host = host_of(address)
         self.lanes = LanePool(
             host, enabled=options.bulk, ssl_context=security.ssl_context() if security is not None else None,
@@ -193,101 +59,15 @@ class ShardClient:
             path + "Initialize", request_serializer=frames.serialize,
             response_deserializer=ps_pb2.InitializeResponse.FromString, _registered_method=True,
         )
-        # The standard health check, as raw bytes (an empty HealthCheckRequest asks about the
-        # server as a whole): ``_diagnose`` needs only gRPC's reason when it fails.
-        self._health_check = self._channel.unary_unary("/grpc.health.v1.Health/Check")
         self._pull_stream = self._channel.unary_stream(
             path + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString,
             response_deserializer=frames.decoder(ps_pb2.PullMessage), _registered_method=True,
         )
 
-    def wait_connected(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the shard to accept a connection (it may still be
-        starting). Says why not after a second (nothing answers, the name does not resolve, a
-        failed TLS handshake) and again every ``REPORT_EVERY`` seconds. Raises
-        ``UnavailableError`` naming the address and the reason."""
-        ready = grpc.channel_ready_future(self._channel)
-        started = time.monotonic()
-        deadline = started + timeout
-        report_at = started + _FIRST_REPORT
-        why: str | None = None
-        try:
-            while True:
-                try:
-                    ready.result(timeout=max(0.0, min(report_at, deadline) - time.monotonic()))
-                except grpc.FutureTimeoutError:
-                    pass
-                else:
-                    if why is not None:
-                        log.info("shard %s answers (after %.0fs)", self.address, time.monotonic() - started)
-                    return
-                why = self._diagnose(max(0.1, min(_PROBE_TIMEOUT, deadline - time.monotonic()))) or why
-                now = time.monotonic()
-                if now >= deadline:
-                    raise errors.UnavailableError(
-                        f"shard {self.address} did not accept a connection within {timeout:.0f}s: {self._explain(why)}"
-                    ) from None
-                if why is not None and report_at == started + _FIRST_REPORT:
-                    explained = self._explain(why, first=True)
-                    log.warning("%s%s up to %.0fs more for it to start", explained,
-                                " Waiting" if explained.endswith("?") else "; waiting", deadline - now)
-                elif why is not None:
-                    log.info("still waiting for shard %s (%s) after %.0fs; up to %.0fs more", self.address, why,
-                             now - started, deadline - now)
-                report_at = now + REPORT_EVERY
-        finally:
-            ready.cancel()
-
-    def _diagnose(self, timeout: float) -> str | None:
-        """Why the shard cannot be reached, from one health check that does not wait for the
-        connection (gRPC's reason: "connection refused", ...); None when it answers."""
-        try:
-            self._health_check(b"", timeout=timeout, wait_for_ready=False)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code is grpc.StatusCode.UNAVAILABLE:
-                return unreachable(exc.details()) or exc.details()
-            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                return f"no answer within {timeout:.0f}s"
-        return None  # answered, if only to refuse the call: it is reachable
-
-    def _explain(self, why: str | None, *, first: bool = False) -> str:
-        """``why`` (``_diagnose``) as the sentence a user reads, with what to check."""
-        if why == "connection refused":
-            if first:
-                return f"nothing answers at {self.address} (connection refused): is psserver running there?"
-            return f"nothing answers there (connection refused): is psserver running at {self.address}?"
-        prefix = f"shard {self.address} unreachable: " if first else ""
-        if why is not None and "does not resolve" in why:
-            return f"{prefix}{why}: check the host in --ps ({host_of(self.address)})"
-        security = self.options.security
-        if security is not None and security.tls:
-            hint = (f"check that --tls-ca signed the shard's certificate, that the certificate names "
-                    f"{host_of(self.address)}, that the shard serves TLS, and give --tls-cert/--tls-key if it "
-                    "requires client certificates")
-        else:
-            hint = "if the shard serves TLS, give --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
-        return f"{prefix}{why or 'no connection'} ({hint})"
-
-    def _call(self, method, request, *, nbytes: int = 0, timeout: float | None = None):
-        try:
-            return method(
-                request, timeout=self.options.deadline(nbytes) if timeout is None else timeout,
-                wait_for_ready=False, metadata=self._metadata,
-            )
-        except grpc.RpcError as exc:
-            raise translate(exc, self.address) from exc
-
     def register(self, request: ps_pb2.RegisterRequest) -> ps_pb2.RegisterResponse:
         reply = self._call(self._stub.Register, request)
         self.lanes.set_port(reply.bulk_port)
         return reply
-
-    def status(self) -> ps_pb2.StatusResponse:
-        """The shard's status; retried while the shard turns it away as overloaded, for up to
-        one small call's deadline (``options.timeout``)."""
-        return retrying(lambda: self._call(self._stub.Status, ps_pb2.StatusRequest()), self.options, self.address,
-                        "status", retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def _stream(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview]
@@ -380,16 +160,6 @@ class ShardClient:
         """Retried while the shard is unreachable or overloaded: a repeat is harmless, as every
         reply names all the tasks the worker holds (``psworker.elastic``)."""
         return retrying(lambda: self._call(self._stub.Data, request), self.options, self.address, "data")
-
-    def checkpoint(self, request: ps_pb2.CheckpointRequest) -> ps_pb2.CheckpointResponse:
-        """Retried only while the shard turns it away as overloaded (it then never started)."""
-        return retrying(lambda: self._call(self._stub.Checkpoint, request), self.options, self.address,
-                        "checkpoint", retry=(errors.OverloadedError,), within=self.options.timeout)
-
-    def end_job(self, request: ps_pb2.EndJobRequest) -> ps_pb2.EndJobResponse:
-        """Retried only while the shard turns it away as overloaded (it then never started)."""
-        return retrying(lambda: self._call(self._stub.EndJob, request), self.options, self.address,
-                        "end-job", retry=(errors.OverloadedError,), within=self.options.timeout)
 
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
@@ -529,4 +299,4 @@ class ShardClient:
 
     def close(self) -> None:
         self.lanes.close()
-        self._channel.close()
+        super().close()

@@ -56,16 +56,18 @@ def _free_port() -> int:
 class Cluster:
     """One compose project in the copy ``directory``; ``run`` runs a README command."""
 
-    def __init__(self, engine, directory: Path, **settings: str) -> None:
+    def __init__(self, engine, directory: Path, *, files: tuple[str, ...] = (), **settings: str) -> None:
         self.engine = engine
         self.directory = directory
+        # Compose files a scenario adds, as the README says to: right after compose.yaml.
+        self.added = "".join(f" -f {f}" for f in (*files, OVERRIDE.removeprefix("-f ")))
         self.prometheus_port = _free_port()
         self.env = dict(engine.env, BASE_IMAGE=BASE_IMAGE, PROMETHEUS_PORT=str(self.prometheus_port),
                         GRAFANA_PORT=str(_free_port()), **settings)
 
     def run(self, command: str, *, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         assert command.startswith(BASE), command
-        script = command.replace(BASE, f"{BASE} {OVERRIDE}", 1)
+        script = command.replace(BASE, BASE + self.added, 1)
         result = subprocess.run(["bash", "-c", script], cwd=self.directory, env=self.env, capture_output=True,
                                 text=True, timeout=timeout)
         if check and result.returncode != 0:
@@ -124,8 +126,8 @@ class Cluster:
 def cluster(engine, built):
     clusters: list[Cluster] = []
 
-    def make(**settings: str) -> Cluster:
-        clusters.append(Cluster(engine, built, **settings))
+    def make(*files: str, **settings: str) -> Cluster:
+        clusters.append(Cluster(engine, built, files=files, **settings))
         return clusters[-1]
 
     yield make
@@ -162,7 +164,7 @@ def test_the_readme_gives_the_commands_this_tier_runs():
 def test_up_trains_to_completion_and_the_model_comes_out(cluster, built):
     c = cluster()
     c.run(UP)
-    watched = subprocess.Popen(["bash", "-c", WATCH.replace(BASE, f"{BASE} {OVERRIDE}", 1)], cwd=built, env=c.env,
+    watched = subprocess.Popen(["bash", "-c", WATCH.replace(BASE, BASE + c.added, 1)], cwd=built, env=c.env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         c.wait(lambda: c.log_matches("worker", r"step \d+ loss"), 120, "progress lines")
@@ -177,6 +179,10 @@ def test_up_trains_to_completion_and_the_model_comes_out(cluster, built):
     results = c.results()
     _baseline["accuracy"] = _accuracy(results, 2)
     _dynamic_split(results)
+    # The accuracy is in Prometheus too (the workers evaluate every 500 steps; Grafana's panel
+    # is this metric).
+    seen = c.prometheus().value("max_over_time(psworker_test_accuracy[10m])")
+    assert seen is not None and seen >= 0.85, seen
 
     model = built / "model.safetensors"
     model.unlink(missing_ok=True)
@@ -232,14 +238,24 @@ def test_a_paused_worker_is_evicted_and_rejoins_when_unpaused(cluster):
     _accuracy(results, 2)
 
 
-def test_three_identical_workers_split_the_data(cluster):
-    c = cluster()
+def test_three_identical_workers_split_the_data_with_tokens_on(cluster):
+    c = cluster("docker/compose.tokens.yaml")
     c.run(SCALE)
     c.workers_done(3)
     results = c.results()
     _accuracy(results, 3)
     _dynamic_split(results)
     assert len({r["worker"] for r in results}) == 3, results
+
+    # The shards checked the tokens compose.tokens.yaml made: psctl needs one, the reader's does.
+    assert c.log_matches("shard0", r"3 token\(s\) checked") and c.log_matches("shard1", r"3 token\(s\) checked")
+    refused = c.run(STATUS, check=False)
+    assert refused.returncode == 1 and "token" in refused.stderr.lower(), refused.stdout + refused.stderr
+    shown = c.run(f"{STATUS} --token-file /run/psgrpc/reader.token")
+    assert re.search(r"^0/2\s+shard0:7000\s+ready\b", shown.stdout, flags=re.M), shown.stdout
+    # Workers hold their own token and no other.
+    held = c.compose("run", "--rm", "--no-deps", "--entrypoint", "ls", "worker", "-A", "/run/psgrpc")
+    assert held.stdout.split() == ["worker.token"], held.stdout
 
 
 def test_prometheus_scrapes_every_target_and_every_query_has_data(cluster):
@@ -279,12 +295,16 @@ def test_prometheus_scrapes_every_target_and_every_query_has_data(cluster):
 
 
 def test_compose_config_publishes_only_prometheus_and_grafana_on_loopback(engine):
-    for files in (["docker/compose.yaml"], ["docker/compose.yaml", "docker/compose.gpu.yaml"]):
+    for files in (["docker/compose.yaml"], ["docker/compose.yaml", "docker/compose.gpu.yaml"],
+                  ["docker/compose.yaml", "docker/compose.tokens.yaml"]):
         args = [a for f in files for a in ("-f", f)]
         out = engine.docker("compose", *args, "config", "--format", "json", cwd=ROOT,
                             env={"BASE_IMAGE": BASE_IMAGE}).stdout
         config = json.loads(out)
         services = config["services"]
+        tokens = "docker/compose.tokens.yaml" in files
+        if tokens:  # the one-shot service that writes the tokens has no network at all
+            assert services.pop("tokens")["network_mode"] == "none"
         assert set(services) == {"shard0", "shard1", "worker", "prometheus", "grafana"}
         published = {name: s.get("ports", []) for name, s in services.items() if s.get("ports")}
         assert set(published) == {"prometheus", "grafana"}, published
@@ -300,6 +320,8 @@ def test_compose_config_publishes_only_prometheus_and_grafana_on_loopback(engine
             assert env["PSSERVER_HOST"] == "0.0.0.0" and env["PSSERVER_RESTORE"] == "auto", env
             assert services[name]["restart"] == "unless-stopped"
             assert services[name]["volumes"][0]["source"] == "checkpoints"
+            if tokens:
+                assert services[name]["environment"]["PSSERVER_AUTH_TOKEN_FILE"] == "/run/psgrpc/tokens"
         if "docker/compose.gpu.yaml" in files:
             devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
             assert devices and devices[0]["capabilities"] == ["gpu"], devices

@@ -59,7 +59,7 @@ def test_a_worker_says_what_it_waits_for_and_why_nothing_answers():
 
 
 def test_a_shard_client_names_the_reason_it_cannot_connect(caplog):
-    with _refusing() as held, caplog.at_level(logging.INFO, logger="psworker.shard"):
+    with _refusing() as held, caplog.at_level(logging.INFO, logger="psworker.channel"):
         address = f"127.0.0.1:{held.getsockname()[1]}"
         client = ShardClient(address, ClientOptions(connect_timeout=3))
         try:
