@@ -154,7 +154,11 @@ class PSClient(AdminClient):
                 )
             header = self._header(session, 0)
             buffers = [tensor_bytes(_rows(initial_values[p.name], p)) for p in session.parts]
-            session.client.initialize(header, buffers)
+            # Only a refusal by admission control is retried: it comes before the shard reads the
+            # stream, whereas a lost reply may leave the variables written (the shard then refuses
+            # a second upload, and registering again sorts it out).
+            retrying(lambda: session.client.initialize(header, buffers), self.options, session.client.address,
+                     "initialize", retry=(errors.OverloadedError,))
             return True
 
         initialised = any(self._fan_out(one, range(self.num_shards)))

@@ -322,6 +322,20 @@ def test_compose_config_publishes_only_prometheus_and_grafana_on_loopback(engine
             assert services[name]["volumes"][0]["source"] == "checkpoints"
             if tokens:
                 assert services[name]["environment"]["PSSERVER_AUTH_TOKEN_FILE"] == "/run/psgrpc/tokens"
+        # Grafana starts provisioned: the data source is this Prometheus, the dashboards directory
+        # the provider reads is where the dashboard is mounted, and it opens on that dashboard.
+        grafana, prometheus = services["grafana"], services["prometheus"]
+        mounts = {v["target"]: Path(v["source"]) for v in grafana["volumes"]}
+        provisioning = mounts["/etc/grafana/provisioning"]
+        provider = (provisioning / "dashboards" / "psgrpc.yml").read_text()
+        dashboards = re.search(r"^\s*path:\s*(\S+)", provider, flags=re.M).group(1)
+        assert (mounts[dashboards] / "psgrpc.json").is_file(), mounts
+        home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+        assert home == f"{dashboards}/psgrpc.json"
+        source = (provisioning / "datasources" / "prometheus.yml").read_text()
+        assert re.search(r"^\s*url:\s*http://prometheus:9090\s*$", source, flags=re.M), source
+        assert "--web.listen-address=:9090" in prometheus["command"]
+        assert set(grafana["networks"]) & set(prometheus["networks"]), (grafana["networks"], prometheus["networks"])
         if "docker/compose.gpu.yaml" in files:
             devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
             assert devices and devices[0]["capabilities"] == ["gpu"], devices
