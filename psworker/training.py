@@ -19,7 +19,7 @@ from pswire.codec import WIRE_DTYPES
 from psworker.api import connect
 from psworker.client import ClientOptions
 from psworker.config import WorkerConfig
-from psworker.elastic import DataFeed, Lease, default_task_size, epoch_order
+from psworker.elastic import DataFeed, default_task_size, epoch_order
 from pswire.data import DataPlan
 from psworker.tasks import Task, evaluate, load_task
 

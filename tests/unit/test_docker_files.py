@@ -53,7 +53,7 @@ def test_every_final_target_runs_as_the_unprivileged_user():
     text = (DOCKER / "Dockerfile").read_text()
     stages = re.split(r"^FROM ", text, flags=re.M)[1:]
     targets = {stage.split()[2]: stage for stage in stages if " AS " in stage.splitlines()[0]}
-    assert set(targets) == {"base", "server", "worker"}
+    assert set(targets) == {"base", "wheel", "server", "worker"}
     for name in ("server", "worker"):
         users = re.findall(r"^USER (\S+)", targets[name], flags=re.M)
         assert users and users[-1] == "psgrpc", (name, users)
