@@ -1,13 +1,15 @@
-"""The records a shard's store keeps: a slot per part (the variable and its optimizer state), a
-record per worker, the gradients collected for the open sync clock, the counters that
-``psctl status`` shows and checkpoints carry, the jobs it ended; and what its calls return
-(a registration, a pull's snapshot, a reading for metrics, an ended job).
+"""The records a shard's store keeps: where its job stands (``ShardState``), a slot per part
+(the variable and its optimizer state), a record per worker, the gradients collected for the
+open sync clock, the counters that ``psctl status`` shows and checkpoints carry, the jobs it
+ended; and what its calls return (a registration, a pull's snapshot, a reading for metrics, an
+ended job).
 
 Plain data without locks of their own: ``ShardStore._lock`` guards every one of them.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,11 +23,19 @@ from psserver.consistency import PushAction
 
 __all__ = [
     "STALENESS_BUCKETS", "Counters", "EndedJob", "EndedJobs", "PullSnapshot", "PulledPart", "PushResult", "Reading",
-    "RegisterResult", "Slot", "SyncClock", "Worker",
+    "RegisterResult", "ShardState", "Slot", "SyncClock", "Worker",
 ]
 
 STALENESS_BUCKETS = 17
 """Staleness histogram: one bucket per value 0..15, the last one for 16 and above."""
+
+
+class ShardState(enum.Enum):
+    EMPTY = "empty"
+    INITIALIZING = "initializing"
+    READY = "ready"
+    ENDING = "ending"
+    """``end_job`` is writing the final checkpoint: calls of the job wait (retryably)."""
 
 
 @dataclass(frozen=True)

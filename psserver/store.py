@@ -2,15 +2,20 @@
 workers and clocks. Pure Python and numpy, no gRPC: the servicer translates requests into these
 calls, and the consistency decisions come from ``psserver.consistency``.
 
+The store is one class over one lock; its concepts live in modules of their own, as mixins that
+share its state and its lock: ``psserver.membership`` (registration, sessions, leases,
+leaving), ``psserver.lifecycle`` (checkpoint copies, restore, the job's end) and
+``psserver.reports`` (status and metrics readings). This module holds the state itself, the
+updates (initialisation, pushes, sync clocks), the reads (pulls and their waits) and the job's
+dynamic data.
+
 Every method either completes or raises a ``pswire.errors`` error with the state unchanged.
 """
 
 from __future__ import annotations
 
-import enum
 import hmac
 import logging
-import secrets
 import threading
 import time
 from collections import deque
@@ -19,44 +24,28 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from pswire.codec import Part, dtype_name, on_wire
+from pswire.data import DataPlan, DataTask
 from pswire.dtypes import DType
-from pswire.errors import (
-    DeadlineError, FencedError, InvalidArgumentError, NotReadyError, OverloadedError, PreconditionError,
-    UnauthenticatedError,
-)
+from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from psserver import consistency as cons
-from psserver import snapshot
-from psserver.leases import expired
 from psserver.consistency import Mode, PushAction
 from psserver.dataqueue import DataQueue
-from pswire.data import DataPlan, DataTask
-from psserver.job import (
-    MAX_COUNT, Registration, check_count, check_finite, check_parts, check_same_job, fmt_bytes,
-)
-from psserver.optimizers import UpdateRule, create_update_rule
+from psserver.job import Registration, check_count, check_finite
+from psserver.lifecycle import RESTORE_ID_GAP, Lifecycle
+from psserver.membership import Membership
+from psserver.optimizers import UpdateRule
+from psserver.reports import Reports
 from psserver.state import (
-    Counters, EndedJob, EndedJobs, PulledPart, PullSnapshot, PushResult, Reading, RegisterResult, Slot, SyncClock,
-    Worker,
+    Counters, EndedJob, EndedJobs, PulledPart, PullSnapshot, PushResult, Reading, RegisterResult, ShardState, Slot,
+    SyncClock, Worker,
 )
 
 __all__ = [
-    "EndedJob", "NonFiniteError", "PullSnapshot", "PulledPart", "PushResult", "Reading", "RegisterResult",
-    "Registration", "ShardState", "ShardStore",
+    "RESTORE_ID_GAP", "EndedJob", "NonFiniteError", "PullSnapshot", "PulledPart", "PushResult", "Reading",
+    "RegisterResult", "Registration", "ShardState", "ShardStore",
 ]
 
 log = logging.getLogger(__name__)
-
-RESTORE_ID_GAP = 1 << 20
-"""Worker ids a restored shard skips: more registrations than this between a checkpoint and the
-crash it is restored after would be needed for a fenced worker's id to be given out again."""
-
-
-class ShardState(enum.Enum):
-    EMPTY = "empty"
-    INITIALIZING = "initializing"
-    READY = "ready"
-    ENDING = "ending"
-    """``end_job`` is writing the final checkpoint: calls of the job wait (retryably)."""
 
 
 class NonFiniteError(InvalidArgumentError):
@@ -65,14 +54,17 @@ class NonFiniteError(InvalidArgumentError):
     counted apart from other refusals)."""
 
 
-class ShardStore:
+class ShardStore(Membership, Lifecycle, Reports):
     """The variables and optimizer state of one shard.
 
-    Locking: ``_lock`` guards every attribute assigned after it in ``__init__``; ``_changed``
-    is a condition on the same lock, notified whenever readiness, clocks or membership change.
-    The lock is held while an update is applied and while a pull takes its snapshot (it holds
-    the variables themselves; an update meanwhile goes to a copy), never while waiting on the
-    network.
+    Locking: ``_lock`` guards every attribute assigned after it in ``__init__`` (and in
+    ``_reset_job``); ``_changed`` is a condition on the same lock, notified whenever readiness,
+    clocks or membership change. It is the one lock of the store and of its mixins
+    (``Membership``, ``Lifecycle``, ``Reports``), which have none of their own: each public
+    method takes it, and each underscored helper that says "caller holds _lock" runs only under
+    it. The lock is held while an update is applied and while a pull takes its snapshot (it
+    holds the variables themselves; an update meanwhile goes to a copy), never while waiting on
+    the network.
     """
 
     def __init__(
@@ -128,206 +120,7 @@ class ShardStore:
         self._cuts: deque[tuple[int, tuple[int, dict[str, np.ndarray], dict]]] = deque()
         self._data: DataQueue | None = None  # dynamic data: the job's queue (shard 0 only)
 
-    # -- membership -------------------------------------------------------------------------
-
-    def register(self, reg: Registration, *, session: bytes | None = None) -> RegisterResult:
-        """Join the job. The first registration defines it; later ones must agree. Every
-        registration gets a new generation and a new session secret (``RegisterResult.session``).
-
-        A name whose registration is live can be registered again only with that registration's
-        ``session`` (a worker re-registering itself) or once its lease has expired: anyone else
-        gets ``NotReadyError`` (retryable: a restarted worker waits out its old lease).
-        ``session=None`` is for in-process callers that need no proof; the servicer always
-        passes the bytes the call carried.
-
-        Raises ``InvalidArgumentError`` for a malformed registration (or one above
-        ``max_model_bytes``), ``PreconditionError`` naming the first disagreement (shard index,
-        variable shape, optimizer setting, ...), and ``OverloadedError`` when the worker table
-        is full of live workers.
-        """
-        check_parts(reg.parts, self._max_model_bytes)
-        rule = create_update_rule(reg.optimizer)
-        with self._lock:
-            if self._ended is not None and session and session in self._ended.sessions:
-                raise self._ended.error()
-            if self._state is ShardState.ENDING:
-                raise NotReadyError("this shard's job is being ended (psctl end-job); retry")
-            if self._job is None:
-                self._job, self._rule = reg, rule
-                self._state = ShardState.INITIALIZING
-                log.info(
-                    "job defined by %s: shard %d of %d, %d parts (%s), optimizer %s, %s",
-                    reg.worker_name, reg.shard_index, reg.num_shards, len(reg.parts),
-                    fmt_bytes(sum(p.nbytes for p in reg.parts)), reg.optimizer.name,
-                    reg.consistency.describe(),
-                )
-            else:
-                check_same_job(self._job, reg)
-            # A (re)joining worker starts at the shard's clock, so it never holds others back.
-            start = self._current_clock()
-            worker = self._workers.get(reg.worker_name)
-            if worker is not None and session is not None:
-                self._check_takeover(worker, session)
-            if worker is None:
-                self._make_room()
-                worker = Worker(self._next_worker_id, reg.worker_name, 1, clock=start)
-                self._next_worker_id += 1
-                self._workers[reg.worker_name] = self._by_id[worker.worker_id] = worker
-            else:
-                worker.generation += 1
-                if self._data is not None:  # what the old registration held goes back
-                    self._release_data(worker, "registered again")
-                worker.applied.clear()  # sequences restart with each generation
-                worker.max_sequence = 0
-                worker.clock, worker.live, worker.evicted, worker.fenced = start, True, False, ""
-            worker.secret = secrets.token_bytes(32)
-            worker.heard_at = self._now()
-            must_init = False
-            if self._state is ShardState.INITIALIZING:
-                now = self._now()
-                if self._initializer in (None, worker.worker_id) or now > self._init_deadline:
-                    self._initializer = worker.worker_id
-                    self._init_deadline = now + self._init_timeout
-                    must_init = True
-            self._membership_changed()  # a returning sync contributor may complete the open clock
-            return RegisterResult(
-                worker.worker_id, worker.generation, must_init, self._version, start, self._job.consistency,
-                self._lease_timeout or 0.0, dict(worker.data), worker.secret,
-                sum(w.live for w in self._workers.values()),
-            )
-
-    def _check_takeover(self, worker: Worker, session: bytes) -> None:
-        # Caller holds _lock. A live registration of this name belongs to whoever holds its secret.
-        if not worker.live or worker.evicted or worker.fenced:
-            return
-        if hmac.compare_digest(session, worker.secret):
-            return
-        if self._lease_timeout:
-            left = self._lease_timeout - (self._now() - worker.heard_at)
-            when = f"its lease expires in {max(left, 0.0):.1f}s unless it renews it"
-        else:
-            when = "leases are off on this shard (--lease-timeout 0), so only it can leave"
-        raise NotReadyError(
-            f"worker name {worker.name!r} is held by a live registration (generation {worker.generation}); "
-            f"{when}. Give each worker its own --worker-name"
-        )
-
-    def _make_room(self) -> None:
-        # Caller holds _lock. The worker table is bounded: forget the longest-silent departed
-        # worker (not one whose gradient is in the open sync clock) to admit a new name.
-        if len(self._workers) < self._max_workers:
-            return
-        gone = [w for w in self._workers.values() if not w.live and w.name not in self._sync.contributors]
-        if not gone:
-            raise OverloadedError(
-                f"this shard already knows {len(self._workers)} workers, all live (--max-workers "
-                f"{self._max_workers}); retry once one leaves"
-            )
-        oldest = min(gone, key=lambda w: w.heard_at)
-        del self._workers[oldest.name], self._by_id[oldest.worker_id]
-        self._counters.pull_waits.pop(oldest.name, None)  # its label goes with it: names stay bounded
-
-    def session_secret(self, worker_id: int, generation: int) -> bytes | None:
-        """The secret of registration ``(worker_id, generation)`` while it is live, else None
-        (for the bulk lanes' handshake)."""
-        with self._lock:
-            worker = self._by_id.get(worker_id)
-            if worker is None or worker.generation != generation or not worker.live or worker.fenced:
-                return None
-            return worker.secret or None
-
-    def check_session(self, worker_id: int, generation: int, session: bytes | None) -> None:
-        """Raise as :meth:`apply_push` would for this registration and session (before a
-        transfer's bytes are read)."""
-        with self._lock:
-            self._check_worker(worker_id, generation, session)
-
-    def leave(self, worker_id: int, generation: int, *, session: bytes | None = None) -> None:
-        """A worker leaves the job: it stops counting for SSP/sync membership at once."""
-        with self._lock:
-            worker = self._check_worker(worker_id, generation, session)
-            worker.live = False
-            # Its clock is not its step count: a (re)joining worker starts at the shard's clock.
-            step = f" at its step {worker.data['step']}," if "step" in worker.data else ""
-            log.info("%s left the job%s after %d pushes to this shard in %d registration(s); its clock here is %d "
-                     "(the shard's clock when it last registered, plus one per push since)",
-                     worker.name, step, worker.pushes, worker.generation, worker.clock)
-            self._release_data(worker, "left")
-            self._membership_changed()
-
-    def heartbeat(self, worker_id: int, generation: int, *, session: bytes | None = None) -> float:
-        """Renew a worker's lease; returns the lease in seconds (0: leases off). Raises
-        ``PreconditionError`` when the worker was evicted, left, or re-registered since."""
-        with self._lock:
-            self._check_worker(worker_id, generation, session)
-            return self._lease_timeout or 0.0
-
-    def evict_expired(self) -> list[str]:
-        """Evict live workers silent for longer than the lease: they leave SSP/sync membership
-        at once and their later pushes are refused. Returns their names."""
-        with self._lock:
-            now = self._now()
-            live = {w.name: w.heard_at for w in self._workers.values() if w.live}
-            names = expired(live, now, self._lease_timeout)
-            for name in names:
-                worker = self._workers[name]
-                worker.live, worker.evicted = False, True
-                self._counters.workers_evicted += 1
-                self._release_data(worker, "was evicted")
-                log.warning(
-                    "evicted %s (generation %d, clock %d): no heartbeat for %.1fs, lease %.1fs",
-                    name, worker.generation, worker.clock, now - worker.heard_at, self._lease_timeout,
-                )
-            if names:
-                self._membership_changed()
-            return names
-
-    def _check_worker(self, worker_id: int, generation: int, session: bytes | None) -> Worker:
-        # Caller holds _lock. ``session`` None: an in-process caller (no proof needed).
-        worker = self._by_id.get(worker_id)
-        if worker is None:
-            raise self._unknown(worker_id)
-        if self._state is ShardState.ENDING:
-            raise NotReadyError("this shard's job is being ended (psctl end-job); retry")
-        if generation != worker.generation:
-            raise FencedError(
-                f"worker {worker.name!r} (id {worker_id}) sent generation {generation}, "
-                f"but its current generation is {worker.generation}: re-register"
-            )
-        # The registration's state first (Status shows it anyway), then its proof: a late call of
-        # a fenced worker is told to re-register whoever sends it.
-        if worker.fenced:
-            raise FencedError(f"worker {worker.name!r}: {worker.fenced}; re-register")
-        if worker.evicted:
-            raise FencedError(
-                f"worker {worker.name!r} was evicted: no heartbeat for over "
-                f"{self._lease_timeout:.1f}s; re-register"
-            )
-        if not worker.live:
-            raise FencedError(f"worker {worker.name!r} left the job: re-register")
-        if session is not None and not (worker.secret and hmac.compare_digest(session, worker.secret)):
-            raise UnauthenticatedError(
-                f"the call for worker id {worker_id} (generation {generation}) does not carry that "
-                "registration's session secret"
-            )
-        worker.heard_at = self._now()
-        return worker
-
-    def _ended_job(self, worker_id: int) -> PreconditionError | None:
-        # Caller holds _lock. The error for a worker of a job this shard ended, else None.
-        if self._ended is not None and worker_id not in self._by_id and 0 < worker_id < self._ended.below:
-            return self._ended.error()
-        return None
-
-    def _unknown(self, worker_id: int) -> PreconditionError:
-        # Caller holds _lock. What a call of a worker id this shard does not know is told.
-        return self._ended_job(worker_id) or FencedError(
-            f"worker id {worker_id} is not registered with this shard (it restarted without a checkpoint?): "
-            "register again"
-        )
-
-    def _member_clocks(self) -> dict[str, int]:
-        return {w.name: w.clock for w in self._workers.values() if w.live}
+    # -- clocks ------------------------------------------------------------------------------
 
     def _current_clock(self) -> int:
         # Caller holds _lock. Sync counts applied clocks; SSP/async the slowest live member.
@@ -336,11 +129,13 @@ class ShardStore:
         return cons.shard_clock(self._member_clocks(), self._clock_floor)
 
     def _quorum(self) -> int:
+        # Caller holds _lock.
         assert self._job is not None
         return cons.sync_quorum(self._job.consistency, sum(w.live for w in self._workers.values()))
 
     def _live_contributors(self) -> int:
-        # Gradients of workers that left still join the mean, but only live ones fill a quorum.
+        # Caller holds _lock. Gradients of workers that left still join the mean, but only live
+        # ones fill a quorum.
         return sum(1 for n in self._sync.contributors if self._workers[n].live)
 
     def _membership_changed(self) -> None:
@@ -352,35 +147,6 @@ class ShardStore:
                 self._apply_aggregate()
         self._maybe_cut()
         self._changed.notify_all()
-
-    def _maybe_cut(self) -> None:
-        # Caller holds _lock.
-        if not self._cut_every or self._state is not ShardState.READY:
-            return
-        clock = self._current_clock()
-        due = clock - clock % self._cut_every
-        if due > self._last_cut:
-            self._last_cut = due
-            if len(self._cuts) == 2:
-                dropped, _ = self._cuts.popleft()
-                log.warning("checkpoint %d dropped unwritten: the writer is %d steps behind", dropped, clock - dropped)
-            self._cuts.append((due, self._export()))
-
-    def checkpoint_every(self, steps: int) -> None:
-        """Copy the state for a checkpoint each time the clock reaches a multiple of ``steps``
-        (0: never); :meth:`next_cut` hands the copies to the writer."""
-        with self._lock:
-            self._cut_every = steps
-            clock = self._current_clock()
-            self._last_cut = max(self._last_cut, clock - clock % steps if steps else 0)
-
-    def next_cut(self, timeout: float) -> tuple[int, tuple[int, dict[str, np.ndarray], dict]] | None:
-        """The oldest state copied for a checkpoint, as ``(checkpoint id, export())``, waiting up
-        to ``timeout`` seconds for one; None if there is none."""
-        with self._changed:
-            if not self._cuts:
-                self._changed.wait(timeout)
-            return self._cuts.popleft() if self._cuts else None
 
     # -- uploads ----------------------------------------------------------------------------
 
@@ -760,86 +526,6 @@ class ShardStore:
         self._wait(lambda: void() or decide().proceed, deadline, timed_out,
                    waiting_for=first.waiting_for or "")
 
-    def status(self) -> dict:
-        """Plain-data view of the shard for ``psctl status``."""
-        with self._lock:
-            job = self._job
-            now, wall = self._now(), time.time()
-            return {
-                "state": self._state.value,
-                "shard_index": job.shard_index if job else -1,
-                "num_shards": job.num_shards if job else 0,
-                "placement_digest": job.placement_digest if job else "",
-                "job_fingerprint": job.job_fingerprint if job else "",
-                "optimizer": job.optimizer if job else None,
-                "consistency": job.consistency if job else None,
-                "parts": list(job.parts) if job else [],
-                "version": self._version,
-                "clock": self._current_clock(),
-                "bytes_held": sum(p.nbytes for p in job.parts) if job else 0,
-                "optimizer_state_bytes": sum(
-                    t.nbytes for s in self._slots.values() for t in s.state.values()
-                ),
-                "workers": [
-                    {"worker_id": w.worker_id, "worker_name": w.name, "generation": w.generation,
-                     "pushes": w.pushes, "last_seen_unix": wall - (now - w.heard_at), "clock": w.clock, "live": w.live,
-                     "evicted": w.evicted}
-                    for w in self._workers.values()
-                ],
-                "pushes_received": self._counters.pushes_received,
-                "pushes_applied": self._counters.pushes_applied,
-                "pushes_rejected": self._counters.pushes_rejected,
-                "pushes_dropped": self._counters.pushes_dropped,
-                "pushes_scaled": self._counters.pushes_scaled,
-                "pulls_served": self._counters.pulls_served,
-                "pulls_waiting": self._waiting_pulls,
-                "pull_wait_seconds": self._counters.pull_wait_seconds,
-                "workers_evicted": self._counters.workers_evicted,
-                "updates_nonfinite": self._counters.updates_nonfinite,
-                "lease_seconds": self._lease_timeout or 0.0,
-                "max_staleness": self._counters.max_staleness,
-                "staleness_histogram": list(self._counters.staleness_counts),
-                "uptime_seconds": now - self._started,
-                "data": self._data.status() if self._data is not None else None,
-            }
-
-    def reading(self) -> Reading:
-        """Counters and gauges for metrics, read at once. Pushes by outcome count each push
-        once: ``applied`` at the full learning rate (in sync: each clock's one update, the mean
-        of its gradients), ``scaled`` (applied at learning rate / staleness), ``dropped``,
-        ``duplicate``, ``fenced``, ``nonfinite`` and ``rejected`` (every other refusal)."""
-        with self._lock:
-            job = self._job
-            c = self._counters
-            states = dict.fromkeys(("live", "evicted", "left", "fenced"), 0)
-            for w in self._workers.values():
-                states["fenced" if w.fenced else "evicted" if w.evicted else "live" if w.live else "left"] += 1
-            return Reading(
-                shard_index=job.shard_index if job else None,
-                num_shards=job.num_shards if job else None,
-                mode=job.consistency.mode.value if job else "",
-                version=self._version,
-                clock=self._current_clock(),
-                variable_bytes=sum(p.nbytes for p in job.parts) if job else 0,
-                optimizer_state_bytes=sum(t.nbytes for s in self._slots.values() for t in s.state.values()),
-                workers=states,
-                evictions=c.workers_evicted,
-                pushes={
-                    "applied": c.pushes_applied - c.pushes_scaled, "scaled": c.pushes_scaled,
-                    "dropped": c.pushes_dropped, "duplicate": c.pushes_duplicate, "fenced": c.pushes_fenced,
-                    "nonfinite": c.pushes_nonfinite,
-                    "rejected": c.pushes_rejected - c.pushes_fenced - c.pushes_nonfinite,
-                },
-                staleness_counts=tuple(c.staleness_counts),
-                staleness_sum=c.staleness_sum,
-                staleness_beyond=c.staleness_beyond,
-                pull_wait_seconds=c.pull_wait_seconds,
-                # Every known worker from the start (0 until a pull waits for it), so that a rate
-                # sees the first wait.
-                pull_waits={**dict.fromkeys(self._workers, 0), **c.pull_waits},
-                data=self._data.status() if self._data is not None else None,
-            )
-
     # -- dynamic data ------------------------------------------------------------------------
 
     def data(
@@ -895,106 +581,6 @@ class ShardStore:
         if tasks:
             log.info("%s %s: %d data task(s) back in the queue (%s)", worker.name, why, len(tasks),
                      ", ".join(map(str, tasks)))
-
-    # -- the job's end -----------------------------------------------------------------------
-
-    def end_job(
-        self, final: Callable[[tuple[int, dict[str, np.ndarray], dict]], object] | None = None,
-        *, job_fingerprint: str = "",
-    ) -> EndedJob | None:
-        """End the job this shard holds: every registration of it is void for good (its calls,
-        and its sessions registering again, get ``PreconditionError`` saying the job ended,
-        never "register again"), and the shard is empty, ready for a new job. Returns None
-        when it holds no job.
-
-        ``final`` (a checkpoint writer) is called with :meth:`export` of the final state, if
-        the shard is initialised, while the job's calls wait (``NotReadyError``, retryable);
-        if it raises, the job goes on unchanged and the error propagates. A non-empty
-        ``job_fingerprint`` must be the job's (``PreconditionError`` otherwise)."""
-        with self._lock:
-            job = self._job
-            if job is None:
-                return None
-            if job_fingerprint and job_fingerprint != job.job_fingerprint:
-                raise PreconditionError(
-                    f"this shard holds job {job.job_fingerprint!r}, not {job_fingerprint!r}: nothing ended"
-                )
-            if self._state is ShardState.ENDING:
-                raise NotReadyError("this shard's job is already being ended; retry")
-            before, self._state = self._state, ShardState.ENDING
-            exported = self._export() if final is not None and before is ShardState.READY else None
-        try:
-            written = final(exported) if exported is not None else None
-        except BaseException:
-            with self._changed:
-                self._state = before
-                self._changed.notify_all()
-            raise
-        with self._changed:
-            ended = EndedJob(job.job_fingerprint, self._version, sum(w.live for w in self._workers.values()), written)
-            self._ended = EndedJobs(job.job_fingerprint, self._next_worker_id,
-                                 frozenset(w.secret for w in self._workers.values() if w.secret), time.time())
-            for worker in self._workers.values():  # pulls waiting on the bound see it and return
-                worker.live, worker.fenced = False, "its job ended"
-            self._reset_job()
-            self._changed.notify_all()
-        log.info("job %r ended at version %d with %d live worker(s)%s: this shard is empty, ready for a new job",
-                 ended.job_fingerprint, ended.version, ended.workers_live,
-                 "" if written is None else " after its final checkpoint")
-        return ended
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def export(self) -> tuple[int, dict[str, np.ndarray], dict]:
-        """A consistent copy of the whole shard state for a checkpoint: ``(version, tensors,
-        metadata)``. Raises ``NotReadyError`` before initialisation."""
-        with self._lock:
-            if self._state is not ShardState.READY or self._job is None:
-                raise NotReadyError("nothing to checkpoint: the shard is not initialised")
-            return self._export()
-
-    def _export(self) -> tuple[int, dict[str, np.ndarray], dict]:
-        # Caller holds _lock; the shard is ready (or was, until end_job began).
-        assert self._job is not None
-        position = snapshot.Position(self._version, self._current_clock(), self._clock_floor, self._open_clock,
-                                     self._next_worker_id)
-        tensors, metadata = snapshot.encode(self._job, self._slots, self._sync, self._workers, self._counters, position)
-        if self._data is not None:
-            metadata["data"] = self._data.encode()
-        return self._version, tensors, metadata
-
-    def restore(self, tensors: dict[str, np.ndarray], metadata: dict, *, source: str) -> None:
-        """Replace this (empty) shard's state with a checkpoint's, after verifying all of it.
-
-        Workers stay known (ids, generations, dedupe marks, progress) but are fenced: their next
-        call tells them to re-register, pull the restored weights and carry on. Raises
-        ``PreconditionError`` if the shard already holds a job, ``ValueError`` naming what is
-        wrong with the checkpoint (and then nothing has changed)."""
-        decoded = snapshot.decode(tensors, metadata, now=self._now(), source=source)
-        queue = DataQueue.decode(metadata["data"]) if "data" in metadata else None
-        position = decoded.position
-        with self._lock:
-            if self._job is not None:
-                raise PreconditionError("this shard already serves a job; restore only into a fresh shard")
-            self._job, self._rule = decoded.job, decoded.rule
-            self._slots = decoded.slots
-            self._sync = decoded.sync
-            self._version = position.version
-            self._clock_floor = position.clock  # the clock the shard had reached when it was cut
-            self._open_clock = position.open_clock
-            self._workers = decoded.workers
-            self._by_id = {w.worker_id: w for w in decoded.workers.values()}
-            # Ids given out between the checkpoint and the crash are not in it: skip past them, so
-            # that no new registration takes the id (and generation) a fenced worker still uses.
-            self._next_worker_id = min(position.next_worker_id + RESTORE_ID_GAP, MAX_COUNT)
-            self._counters.restore(decoded.counters)
-            self._data = queue
-            self._state = ShardState.READY
-            every = self._cut_every
-            self._last_cut = max(self._last_cut, self._clock_floor - self._clock_floor % every if every else 0)
-            self._changed.notify_all()
-        log.info("restored from %s: version %d, clock %d, %d workers fenced until they re-register",
-                 source, self._version, self._clock_floor, len(decoded.workers))
 
     def tensor(self, key: str) -> np.ndarray:
         """A copy of one part's current value (for tests and tools)."""
