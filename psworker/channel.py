@@ -154,37 +154,39 @@ class ShardChannel:
         finally:
             ready.cancel()
 
-    def health(self, timeout: float) -> ShardHealth:
-        """The shard's status from one standard health check within ``timeout`` seconds: not
-        retried, not waiting for the connection, and carrying no token (the health service is
-        open). Raises nothing for a shard that cannot be reached: the report says why."""
+    def _probe(self, timeout: float) -> tuple[health_pb2.HealthCheckResponse | None, grpc.StatusCode | None, str]:
+        """One standard health check within ``timeout`` seconds that neither waits for the
+        connection nor carries a token (the health service is open): ``(reply, None, "")``, or
+        ``(None, code, details)`` of the error."""
         try:
-            reply = self._health_check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=False)
+            return self._health_check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=False), None, ""
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                return ShardHealth(self.address, _UNREACHABLE, f"no answer within {timeout:g}s")
-            why = unreachable(details) if code is grpc.StatusCode.UNAVAILABLE else None
-            if why is not None:
-                # Refused needs no advice; anything else (TLS, a name) gets what to check.
-                reason = why if why == "connection refused" else self._explain(why)
-                return ShardHealth(self.address, _UNREACHABLE, reason)
-            return ShardHealth(self.address, _FAILED, f"{details} ({code.name})")
-        return ShardHealth(self.address, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+            return None, code, exc.details() if hasattr(exc, "details") else str(exc)
+
+    def health(self, timeout: float) -> ShardHealth:
+        """The shard's status from one health check (:meth:`_probe`), not retried. Raises nothing
+        for a shard that cannot be reached: the report says why."""
+        reply, code, details = self._probe(timeout)
+        if reply is not None:
+            return ShardHealth(self.address, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ShardHealth(self.address, _UNREACHABLE, f"no answer within {timeout:g}s")
+        why = unreachable(details) if code is grpc.StatusCode.UNAVAILABLE else None
+        if why is not None:
+            # Refused needs no advice; anything else (TLS, a name) gets what to check.
+            return ShardHealth(self.address, _UNREACHABLE, why if why == "connection refused" else self._explain(why))
+        return ShardHealth(self.address, _FAILED, f"{details} ({code.name})")
 
     def _diagnose(self, timeout: float) -> str | None:
-        """Why the shard cannot be reached, from one health check that does not wait for the
-        connection (gRPC's reason: "connection refused", ...); None when it answers."""
-        try:
-            self._health_check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=False)
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            if code is grpc.StatusCode.UNAVAILABLE:
-                return unreachable(exc.details()) or exc.details()
-            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                return f"no answer within {timeout:.0f}s"
-        return None  # answered, if only to refuse the call: it is reachable
+        """Why the shard cannot be reached, from one health check (:meth:`_probe`; gRPC's reason:
+        "connection refused", ...); None when it answers, if only to refuse the call."""
+        _reply, code, details = self._probe(timeout)
+        if code is grpc.StatusCode.UNAVAILABLE:
+            return unreachable(details) or details
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"no answer within {timeout:.0f}s"
+        return None
 
     def _explain(self, why: str | None, *, first: bool = False) -> str:
         """``why`` (``_diagnose``) as the sentence a user reads, with what to check."""

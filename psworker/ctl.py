@@ -33,7 +33,7 @@ from pswire.errors import PreconditionError, PSError
 from pswire.flags import add_version
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security, host_of, write_token_files
 from psworker.admin import AdminClient
-from psworker.options import ClientOptions, parse_addresses
+from psworker.options import ClientOptions
 
 __all__ = ["default_checkpoint_id", "main"]
 
@@ -48,10 +48,15 @@ def default_checkpoint_id(now: float, last_ids: Iterable[int]) -> int:
 def _status(ps: str, timeout: float, security: ClientSecurity | None) -> list[dict]:
     options = ClientOptions(timeout=timeout, connect_timeout=timeout, security=security)
     with AdminClient.connected(ps, options) as client:
-        shards = [_plain(s) for s in client.status()]
-    # A shard reports the address it bound; one bound to every interface (a container's 0.0.0.0)
-    # is named by the address it was reached at instead, so that two shards can be told apart.
-    for shard, reached in zip(shards, parse_addresses(ps)):
+        return _shards(client)
+
+
+def _shards(client: AdminClient) -> list[dict]:
+    """Every shard's status as plain values. A shard reports the address it bound; one bound to
+    every interface (a container's 0.0.0.0) is named by the address it was reached at instead, so
+    that two shards can be told apart."""
+    shards = [_plain(s) for s in client.status()]
+    for shard, reached in zip(shards, client.addresses):
         if host_of(shard["address"]) in _ANY_INTERFACE:
             shard["address"] = reached
     return shards
@@ -232,7 +237,7 @@ def _watch(args: argparse.Namespace, security: ClientSecurity | None, out=sys.st
                 now = time.monotonic()
                 stamp = time.strftime("%H:%M:%S")
                 try:
-                    shards = [_plain(s) for s in client.status()]
+                    shards = _shards(client)
                 except PSError as exc:
                     shards, problem = None, str(exc)
                 if args.json:

@@ -63,8 +63,8 @@ def requirements() -> None:
 
 
 def _run(argv: list[str], *, timeout: float, env: dict | None = None, cwd: Path | None = None,
-         what: str = "") -> subprocess.CompletedProcess:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+         what: str = "", stdin=None) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
     if result.returncode != 0:
         raise RuntimeError(f"{what or argv[0]} failed ({result.returncode}): {' '.join(argv)}\n"
                            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
@@ -164,15 +164,12 @@ class Engine:
                     item.unlink()
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         try:
-            _run_input = subprocess.run(
-                ["docker", "import", "--change", "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt",
-                 "--change", "ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt", "-", BASE_IMAGE],
-                stdin=tar.stdout, capture_output=True, text=True, env=self.env, timeout=300)
+            _run(["docker", "import", "--change", "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt",
+                  "--change", "ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt", "-", BASE_IMAGE],
+                 timeout=300, env=self.env, stdin=tar.stdout, what="docker import")
         finally:
             tar.stdout.close()
             tar.wait(timeout=60)
-        if _run_input.returncode != 0:
-            raise RuntimeError(f"docker import failed: {_run_input.stderr[-2000:]}")
         shutil.rmtree(rootfs, ignore_errors=True)
 
     def docker(self, *args: str, timeout: float = 120, check: bool = True, cwd: Path | None = None,
