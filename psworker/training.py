@@ -198,9 +198,9 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         log.info("%s resumes at step %d of %d (epoch %d, position %d): the progress the shards recorded",
                  config.name, first_step, total, resume["epoch"], resume["position"])
     else:
-        if session is not None and plan is None and config.mode == "sync" and config.count > 1:
+        if session is not None and plan is None and config.mode in ("sync", "ssp") and config.count > 1:
             try:
-                _wait_for_workers(session, config.count, config.wait_timeout, config.name)
+                _wait_for_workers(session, config.count, config.wait_timeout, config.name, config.mode)
             except BaseException:
                 session.close()
                 raise
@@ -338,10 +338,11 @@ def _train_tasks(feed: DataFeed, session, batch_size: int, train_step, stop: thr
         feed.current = None
 
 
-def _wait_for_workers(session, count: int, timeout: float, name: str) -> None:
-    """Sync: hold step 1 until ``count`` workers are live on every shard, so that every clock
-    averages every worker's gradient from the first (without this, the first worker to start
-    would train alone until the others joined). Raises ``DeadlineError`` after ``timeout``."""
+def _wait_for_workers(session, count: int, timeout: float, name: str, mode: str) -> None:
+    """Sync and SSP: hold step 1 until ``count`` workers are live on every shard. In sync every
+    clock then averages every worker's gradient from the first; in SSP the staleness bound covers
+    every worker from the first (without this, the first workers to start would train alone, up
+    to the whole job, before a slow one joined). Raises ``DeadlineError`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     next_log = time.monotonic() + 5.0
     pause = threading.Event()
@@ -352,7 +353,7 @@ def _wait_for_workers(session, count: int, timeout: float, name: str) -> None:
         now = time.monotonic()
         if now > deadline:
             raise errors.DeadlineError(
-                f"only {live} of {count} workers joined the sync job within {timeout:.0f}s (--wait-timeout)"
+                f"only {live} of {count} workers joined the {mode} job within {timeout:.0f}s (--wait-timeout)"
             )
         if now >= next_log:
             log.info("%s waits for %d of %d workers to join before step 1", name, count - live, count)
