@@ -15,7 +15,7 @@ Token file format (``--auth-token-file``)::
     # comment lines start with '#'; blank lines are ignored
     ROLE TOKEN        one per line; ROLE is worker, reader or admin
 
-``reader`` may call Status, Pull and PullInline (read the model); ``worker`` also Register,
+``reader`` may call Status, Pull, PullInline and PullRows (read the model); ``worker`` also Register,
 Initialize, Push, PushInline, PushPull, Heartbeat, Leave and Data (the data queue); ``admin`` may call everything,
 Checkpoint and any administrative call to come included. Tokens are at least 16 printable
 ASCII characters; a malformed line is refused with its number, never its token.
@@ -62,7 +62,7 @@ class Role(enum.IntEnum):
         return self.name.lower()
 
 
-_READER_METHODS = frozenset({"Status", "Pull", "PullInline"})
+_READER_METHODS = frozenset({"Status", "Pull", "PullInline", "PullRows"})
 _WORKER_METHODS = frozenset({"Register", "Initialize", "Push", "PushInline", "PushPull", "Heartbeat", "Leave",
                              "Data"})
 

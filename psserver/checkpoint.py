@@ -3,12 +3,20 @@
     root/LATEST                             {"id": ..., "num_shards": ...}: newest committed checkpoint
     root/.lock                              flock'd around moving LATEST and pruning
     root/ENDED                              {"after": id, "job": ...}: checkpoints <= id belong to ended jobs
-    root/ckpt-{id:012d}/shard-{i}-of-{n}/   tensors.safetensors, metadata.json, MANIFEST.json
+    root/ckpt-{id:012d}/shard-{i}-of-{n}/   tensors.safetensors, metadata.json, MANIFEST.json,
+                                            and rows-{k:05d}.safetensors per piece k (if any)
 
 Every file is written to a temp name, fsynced, renamed, and its directory fsynced. MANIFEST (sizes
-and sha256 of the other two files) is written last, so a part without a valid one is incomplete.
+and sha256 of the other files) is written last, so a part without a valid one is incomplete.
 A checkpoint counts only when all n parts verify; LATEST is the commit point and never moves back.
 Tensors are safetensors and metadata JSON: nothing is ever unpickled. No gRPC, no store: plain values.
+
+Pieces keep a large state (embedding tables) out of one giant buffer: a tensor named
+``rows/{k:05d}/{name}`` (``name`` may contain '/') goes to the file of piece ``k`` as ``name``,
+and comes back under the same key. Piece files are encoded, hashed and written one at a time, and
+read, hashed and decoded one at a time, so at most one piece's bytes exist at once besides the
+arrays. A part's MANIFEST lists exactly its files: a piece file it does not list makes the part
+unusable. A part without pieces is byte-for-byte the format from before pieces existed.
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ FORMAT_VERSION = 1
 TENSORS, METADATA, MANIFEST, LATEST = "tensors.safetensors", "metadata.json", "MANIFEST.json", "LATEST"
 ENDED = "ENDED"
 _CKPT_RE = re.compile(r"ckpt-(\d{12})")
+ROWS = "rows/"
+_ROWS_RE = re.compile(r"rows/([0-9]{5})/(.+)", re.DOTALL)  # a piece's tensor, as named in a ShardPart
+_PIECE_RE = re.compile(r"rows-([0-9]{5})\.safetensors")  # a piece's file in a part directory
 _PART_RE = re.compile(r"shard-(\d+)-of-(\d+)")
 
 
@@ -63,7 +74,9 @@ class _Unfinished(CheckpointError):
 @dataclass(frozen=True)
 class ShardPart:
     tensors: dict[str, np.ndarray]
-    """Arrays by name, e.g. ``var/fc.weight``, ``opt/fc.weight/exp_avg``."""
+    """Arrays by name, e.g. ``var/fc.weight``, ``opt/fc.weight/exp_avg``. Names starting with
+    ``rows/`` must be ``rows/{k:05d}/{name}`` (a 5-digit piece number): each piece is stored in
+    its own file, so a large state is never encoded as one buffer."""
     metadata: dict[str, Any]
     """JSON-serialisable; comes back as JSON gives it (tuples as lists, keys as strings)."""
 
@@ -94,24 +107,49 @@ def _write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def _encode(part: ShardPart) -> tuple[bytes, bytes]:
-    specs, keep = {}, []
-    for name, array in part.tensors.items():
-        if not isinstance(name, str) or name == "__metadata__" or not isinstance(array, np.ndarray):
-            raise ValueError(f"tensor names must be strings (not __metadata__) and values arrays: {name!r}")
+def _split(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[int, dict[str, np.ndarray]]]:
+    """``(plain, {k: {name: array}})`` from a part's flat tensors; raises ValueError for a bad name,
+    a value that is not an array or a dtype the shard does not hold (before anything is encoded)."""
+    plain: dict[str, np.ndarray] = {}
+    pieces: dict[int, dict[str, np.ndarray]] = {}
+    for key, array in tensors.items():
+        if not isinstance(key, str) or not isinstance(array, np.ndarray):
+            raise ValueError(f"tensor names must be strings and values arrays: {key!r}")
+        name, into = key, plain
+        if key.startswith(ROWS):
+            if not (m := _ROWS_RE.fullmatch(key)):
+                raise ValueError(f"tensor {key!r}: a name starting with {ROWS!r} must be 'rows/NNNNN/name' "
+                                 "with a 5-digit piece number")
+            name, into = m[2], pieces.setdefault(int(m[1]), {})
+        if name == "__metadata__":
+            raise ValueError(f"tensor names must not be __metadata__: {key!r}")
         try:
-            dtype = dtype_of(array.dtype)
+            dtype_of(array.dtype)
         except InvalidArgumentError as exc:
-            raise ValueError(f"cannot encode checkpoint part: {name!r}: {exc}") from None
+            raise ValueError(f"cannot encode checkpoint part: {key!r}: {exc}") from None
+        into[name] = array
+    return plain, dict(sorted(pieces.items()))
+
+
+def _encode(tensors: dict[str, np.ndarray]) -> bytes:
+    """One safetensors file of already-checked arrays (see _split)."""
+    specs, keep = {}, []
+    for name, array in tensors.items():
         if not array.flags.c_contiguous:  # (not ascontiguousarray: it makes a 0-d array 1-d)
             array = array.copy(order="C")
         keep.append(array)  # serialize reads the memory by address: keep it alive until then
-        specs[name] = TensorSpec(dtype=dtype.name, shape=list(array.shape), data_ptr=array.ctypes.data,
-                                 data_len=array.nbytes)
+        specs[name] = TensorSpec(dtype=dtype_of(array.dtype).name, shape=list(array.shape),
+                                 data_ptr=array.ctypes.data, data_len=array.nbytes)
     try:
-        meta = json.dumps(part.metadata, sort_keys=True, allow_nan=False).encode()
-        return bytes(serialize(specs)), meta
+        return bytes(serialize(specs))
     except (TypeError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise ValueError(f"cannot encode checkpoint part: {exc}") from exc
+
+
+def _encode_metadata(metadata: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(metadata, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"cannot encode checkpoint part: {exc}") from exc
 
 
@@ -128,9 +166,21 @@ def _decode(data: bytes) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _manifest(cid: int, index: int, n: int, files: dict[str, bytes]) -> dict[str, Any]:
-    return {"format": FORMAT_VERSION, "checkpoint_id": cid, "shard_index": index, "num_shards": n,
-            "files": {k: {"sha256": hashlib.sha256(v).hexdigest(), "size": len(v)} for k, v in files.items()}}
+def _entry(data: bytes) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
+def _manifest(cid: int, index: int, n: int, files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {"format": FORMAT_VERSION, "checkpoint_id": cid, "shard_index": index, "num_shards": n, "files": files}
+
+
+def _piece_file(k: int) -> str:
+    return f"rows-{k:05d}.safetensors"
+
+
+def _stray_pieces(pdir: Path, listed: Any) -> list[str]:
+    """Piece files in ``pdir`` that ``listed`` does not name (temp files are not pieces)."""
+    return sorted(e.name for e in os.scandir(pdir) if _PIECE_RE.fullmatch(e.name) and e.name not in listed)
 
 
 class CheckpointStore:
@@ -155,31 +205,49 @@ class CheckpointStore:
         _check_args(shard_index, num_shards)
         if not 0 <= checkpoint_id < 10**12:
             raise ValueError(f"checkpoint_id must be in [0, 1e12), got {checkpoint_id}")
-        tensors, meta = _encode(part)
-        manifest = _manifest(checkpoint_id, shard_index, num_shards, {TENSORS: tensors, METADATA: meta})
+        plain, pieces = _split(part.tensors)
+        meta = _encode_metadata(part.metadata)
+        tensors = _encode(plain)
+        files = {TENSORS: _entry(tensors), METADATA: _entry(meta)}
         ckpt = self._ckpt_dir(checkpoint_id)
         pdir = ckpt / f"shard-{shard_index}-of-{num_shards}"
         try:
-            existing = self._verify_part(checkpoint_id, shard_index, num_shards, deep=True)[0]
+            existing = self._verify_part(checkpoint_id, shard_index, num_shards, deep=True, keep=False)[0]
         except CheckpointError:
             existing = None  # absent, unfinished or damaged: (re)write it
-        if existing is not None and existing != manifest:
-            raise CheckpointError(f"checkpoint {checkpoint_id} shard {shard_index}/{num_shards} in {self.root} "
-                                  "already exists with different content")
-        if existing is None:
+        if existing is not None:
+            if not self._same(existing["files"], files, pieces):
+                raise CheckpointError(f"checkpoint {checkpoint_id} shard {shard_index}/{num_shards} in {self.root} "
+                                      "already exists with different content")
+        else:
             for d in (self.root, ckpt, pdir):  # fsync each parent so the new entries survive a crash
                 if not d.is_dir():
                     d.mkdir(parents=True, exist_ok=True)
                     _fsync_dir(d.parent)
-            # A stale MANIFEST from a damaged earlier attempt must not outlive the files it described.
-            if (pdir / MANIFEST).exists():
-                (pdir / MANIFEST).unlink()
+            # A stale MANIFEST from a damaged earlier attempt must not outlive the files it described,
+            # nor its pieces that this part does not have (an unlisted piece file makes a part unusable).
+            stale = [MANIFEST] if (pdir / MANIFEST).exists() else []
+            stale += _stray_pieces(pdir, {_piece_file(k) for k in pieces})
+            for name in stale:
+                (pdir / name).unlink(missing_ok=True)
+            if stale:
                 _fsync_dir(pdir)
             try:
-                for phase, name, data in (("tensors", TENSORS, tensors), ("metadata", METADATA, meta),
-                                          ("manifest", MANIFEST, json.dumps(manifest, sort_keys=True).encode())):
+                self._failpoint("before_tensors")
+                _write_atomic(pdir / TENSORS, tensors)
+                self._failpoint("tensors_written")
+                del tensors
+                for k, arrays in pieces.items():  # one piece's bytes at a time
+                    self._failpoint("before_piece")
+                    data = _encode(arrays)
+                    files[_piece_file(k)] = _entry(data)
+                    _write_atomic(pdir / _piece_file(k), data)
+                    del data
+                    self._failpoint("piece_written")
+                manifest = json.dumps(_manifest(checkpoint_id, shard_index, num_shards, files), sort_keys=True)
+                for phase, name, blob in (("metadata", METADATA, meta), ("manifest", MANIFEST, manifest.encode())):
                     self._failpoint(f"before_{phase}")
-                    _write_atomic(pdir / name, data)
+                    _write_atomic(pdir / name, blob)
                     self._failpoint(f"{phase}_written")
             except FileNotFoundError as exc:
                 if pdir.is_dir():
@@ -189,6 +257,16 @@ class CheckpointStore:
                                       "written (a newer checkpoint is complete)") from exc
         self._commit_and_prune(checkpoint_id, num_shards)
         return pdir
+
+    @staticmethod
+    def _same(have: dict[str, Any], files: dict[str, Any], pieces: dict[int, dict[str, np.ndarray]]) -> bool:
+        """Whether an existing part's manifest entries ``have`` describe this content: the plain
+        files' ``files`` entries, and ``pieces`` encoded (and dropped) one at a time to hash them."""
+        if set(have) != set(files) | {_piece_file(k) for k in pieces}:
+            return False
+        if any(have[name] != entry for name, entry in files.items()):
+            return False
+        return all(have[_piece_file(k)] == _entry(_encode(arrays)) for k, arrays in pieces.items())
 
     def load(self, shard_index: int, num_shards: int) -> tuple[int, ShardPart] | None:
         """Return ``(id, part)`` from the newest checkpoint whose every part verifies: LATEST's first,
@@ -351,42 +429,70 @@ class CheckpointStore:
                 problems.append(msg)
             return None
 
-    def _verify_part(self, cid: int, i: int, n: int, *, deep: bool) -> tuple[dict, ShardPart | None]:
+    def _verify_part(self, cid: int, i: int, n: int, *, deep: bool, keep: bool = True) -> tuple[dict, ShardPart | None]:
         """Check one part against its MANIFEST: sizes only, or (``deep``) also sha256 and parsing,
-        returning the part. Raises _Unfinished without a MANIFEST, CheckpointError for other damage."""
+        returning the part (unless not ``keep``: then each file is checked and dropped in turn).
+        Raises _Unfinished without a MANIFEST, CheckpointError for other damage."""
         pdir, where = self._ckpt_dir(cid) / f"shard-{i}-of-{n}", f"checkpoint {cid} part {i}/{n}"
         try:
             manifest = json.loads((pdir / MANIFEST).read_bytes())
             files = manifest["files"]
-            ok = (manifest["format"] == FORMAT_VERSION and set(files) == {TENSORS, METADATA}
+            ok = (manifest["format"] == FORMAT_VERSION and isinstance(files, dict) and {TENSORS, METADATA} <= set(files)
                   and (manifest["checkpoint_id"], manifest["shard_index"], manifest["num_shards"]) == (cid, i, n))
-            sizes = {name: (pdir / name).stat().st_size for name in files}
+            extra = sorted(name for name in files if name not in (TENSORS, METADATA) and not _PIECE_RE.fullmatch(name))
+            if not all(isinstance(e, dict) and type(e["size"]) is int and isinstance(e["sha256"], str)
+                       for e in files.values()):
+                raise ValueError("a file's entry is not {size, sha256}")
+            sizes = {name: (pdir / name).stat().st_size for name in files} if ok and not extra else {}
+            stray = _stray_pieces(pdir, files) if ok and not extra else []
         except FileNotFoundError as exc:
             cls = _Unfinished if exc.filename == str(pdir / MANIFEST) else CheckpointError
             raise cls(f"{where}: {Path(exc.filename).name} is missing") from None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{where}: {MANIFEST} is damaged or unreadable: {exc!r}") from exc
         if not ok:
             raise CheckpointError(f"{where}: {MANIFEST} does not describe this part")
+        if extra:
+            raise CheckpointError(f"{where}: {MANIFEST} lists files that are not part of a checkpoint: {extra}")
+        if stray:
+            raise CheckpointError(f"{where}: piece files {stray} are not in {MANIFEST}")
         for name, size in sizes.items():  # stat first: catches truncation without reading anything
             if size != files[name]["size"]:
                 raise CheckpointError(f"{where}: {name} has {size} bytes, {MANIFEST} says {files[name]['size']}")
         if not deep:
             return manifest, None
-        try:
-            data = {name: (pdir / name).read_bytes() for name in files}
-        except OSError as exc:
-            raise CheckpointError(f"{where}: cannot read {exc.filename}: {exc}") from exc
-        for name, blob in data.items():
+        tensors: dict[str, np.ndarray] = {}
+        names: set[str] = set()  # kept even when the arrays are not, so every check is the same
+        metadata = None
+        # Plain tensors first, then the pieces in order: one file's bytes in memory at a time.
+        for name in sorted(files, key=lambda f: (f != TENSORS, f)):
+            try:
+                blob = (pdir / name).read_bytes()
+            except OSError as exc:
+                raise CheckpointError(f"{where}: cannot read {exc.filename}: {exc}") from exc
             if hashlib.sha256(blob).hexdigest() != files[name]["sha256"]:
                 raise CheckpointError(f"{where}: {name} does not match its sha256")
-        try:
-            tensors, metadata = _decode(data[TENSORS]), json.loads(data[METADATA])
-        except (SafetensorError, ValueError) as exc:
-            raise CheckpointError(f"{where}: does not parse: {exc}") from exc
+            try:
+                if name == METADATA:
+                    metadata = json.loads(blob)
+                    continue
+                arrays = _decode(blob)
+            except (SafetensorError, ValueError) as exc:
+                raise CheckpointError(f"{where}: {name} does not parse: {exc}") from exc
+            del blob
+            if (m := _PIECE_RE.fullmatch(name)) is not None:
+                arrays = {f"rows/{m[1]}/{t}": a for t, a in arrays.items()}
+                # Every name must come back as written: a non-empty name, no clash with another file's.
+                bad = [t for t in arrays if not _ROWS_RE.fullmatch(t) or t in names]
+                if bad:
+                    raise CheckpointError(f"{where}: {name} has tensors whose names do not map back: {bad[:3]}")
+            names.update(arrays)
+            if keep:
+                tensors.update(arrays)
+            del arrays
         if not isinstance(metadata, dict):
             raise CheckpointError(f"{where}: {METADATA} is not a JSON object")
-        return manifest, ShardPart(tensors, metadata)
+        return manifest, ShardPart(tensors, metadata) if keep else None
 
     def _verify_checkpoint(self, cid: int, n: int, *, want: int | None = None, deep: bool = True) -> ShardPart | None:
         """Verify every part 0..n-1 (all before returning anything); return part ``want``."""
@@ -394,7 +500,7 @@ class CheckpointStore:
             self._verify_part(cid, i, n, deep=False)
         result = None
         for i in range(n if deep else 0):
-            part = self._verify_part(cid, i, n, deep=True)[1]  # other parts are parsed too, then dropped
+            part = self._verify_part(cid, i, n, deep=True, keep=i == want)[1]  # others: parsed, dropped
             result = part if i == want else result
         return result
 
@@ -471,7 +577,7 @@ class CheckpointStore:
 
     def _problem(self, cid: int, i: int, n: int) -> str | None:
         try:
-            self._verify_part(cid, i, n, deep=True)
+            self._verify_part(cid, i, n, deep=True, keep=False)
             return None
         except CheckpointError as exc:
             return str(exc)

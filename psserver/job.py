@@ -11,9 +11,10 @@ from pswire.codec import Part, dtype_name
 from pswire.errors import InvalidArgumentError, PreconditionError
 from pswire.optim import OptimizerConfig
 from pswire.consistency import Consistency
+from pswire.tables import TableSpec
 from pswire.wire import MAX_COUNT, check_count
 
-__all__ = ["MAX_COUNT", "Registration", "check_count", "check_finite", "check_parts", "check_same_job", "fmt_bytes"]
+__all__ = ["MAX_COUNT", "Registration", "check_count", "check_finite", "check_parts", "check_tables", "check_same_job", "fmt_bytes"]
 
 MAX_DIMENSION = 1 << 40
 """The largest dimension of a variable's shape."""
@@ -31,6 +32,8 @@ class Registration:
     optimizer: OptimizerConfig
     job_fingerprint: str = ""
     consistency: Consistency = Consistency()
+    tables: tuple[TableSpec, ...] = ()
+    """The job's embedding tables (``pswire.tables``), whole: this shard holds its rows of each."""
 
 
 def check_parts(parts: Sequence[Part], max_bytes: int = 1 << 62) -> None:
@@ -124,6 +127,26 @@ def check_same_job(job: Registration, reg: Registration) -> None:
         raise PreconditionError(
             f"job {reg.job_fingerprint!r} differs from the job this shard serves ({job.job_fingerprint!r})"
         )
+    mine_tables, their_tables = [t.name for t in job.tables], [t.name for t in reg.tables]
+    if mine_tables != their_tables:
+        raise PreconditionError(
+            f"the worker's embedding tables ({', '.join(their_tables) or 'none'}) differ from the job's "
+            f"({', '.join(mine_tables) or 'none'})"
+        )
+    for table, theirs in zip(job.tables, reg.tables):
+        diffs = table.differences(theirs)
+        if diffs:
+            raise PreconditionError(f"table {table.name!r} differs from the job's: " + "; ".join(diffs))
+
+
+def check_tables(tables: Sequence[TableSpec], parts: Sequence[Part]) -> None:
+    """Raises ``InvalidArgumentError`` for a table named twice or named as a variable."""
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError("registration lists a table twice")
+    clash = set(names) & {p.name for p in parts}
+    if clash:
+        raise InvalidArgumentError(f"{sorted(clash)[0]!r} names both a table and a variable")
 
 
 def fmt_bytes(n: float) -> str:

@@ -25,6 +25,7 @@ from psserver.dataqueue import DataQueue
 from psserver.job import MAX_COUNT, Registration
 from psserver.optimizers import UpdateRule
 from psserver.state import Counters, EndedJob, EndedJobs, ShardState, Slot, SyncClock, Worker
+from psserver.tables import RowTable
 
 __all__ = ["RESTORE_ID_GAP", "Lifecycle"]
 
@@ -54,6 +55,7 @@ class Lifecycle:
     _job: Registration | None
     _rule: UpdateRule | None
     _slots: dict[str, Slot]
+    _tables: dict[str, RowTable]
     _workers: dict[str, Worker]
     _by_id: dict[int, Worker]
     _version: int
@@ -158,7 +160,8 @@ class Lifecycle:
         assert self._job is not None
         position = snapshot.Position(self._version, self._current_clock(), self._clock_floor, self._open_clock,
                                      self._next_worker_id)
-        tensors, metadata = snapshot.encode(self._job, self._slots, self._sync, self._workers, self._counters, position)
+        tensors, metadata = snapshot.encode(self._job, self._slots, self._sync, self._workers, self._counters, position,
+                                            self._tables)
         if self._data is not None:
             metadata["data"] = self._data.encode()
         return self._version, tensors, metadata
@@ -178,6 +181,7 @@ class Lifecycle:
                 raise PreconditionError("this shard already serves a job; restore only into a fresh shard")
             self._job, self._rule = decoded.job, decoded.rule
             self._slots = decoded.slots
+            self._tables = decoded.tables
             self._sync = decoded.sync
             self._version = position.version
             self._clock_floor = position.clock  # the clock the shard had reached when it was cut

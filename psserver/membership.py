@@ -16,12 +16,15 @@ import secrets
 from collections.abc import Callable
 from threading import Lock
 
-from pswire.errors import FencedError, NotReadyError, OverloadedError, PreconditionError, UnauthenticatedError
+from pswire.errors import (
+    FencedError, InvalidArgumentError, NotReadyError, OverloadedError, PreconditionError, UnauthenticatedError,
+)
 from psserver.dataqueue import DataQueue
-from psserver.job import Registration, check_parts, check_same_job, fmt_bytes
+from psserver.job import Registration, check_parts, check_same_job, check_tables, fmt_bytes
 from psserver.leases import expired
 from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, EndedJobs, RegisterResult, ShardState, SyncClock, Worker
+from psserver.tables import RowTable
 
 __all__ = ["Membership"]
 
@@ -48,6 +51,7 @@ class Membership:
     _state: ShardState
     _job: Registration | None
     _rule: UpdateRule | None
+    _tables: dict[str, RowTable]
     _initializer: int | None
     _init_deadline: float
     _workers: dict[str, Worker]
@@ -73,6 +77,7 @@ class Membership:
         is full of live workers.
         """
         check_parts(reg.parts, self._max_model_bytes)
+        check_tables(reg.tables, reg.parts)
         rule = create_update_rule(reg.optimizer)
         with self._lock:
             if self._ended is not None and session and session in self._ended.sessions:
@@ -80,7 +85,8 @@ class Membership:
             if self._state is ShardState.ENDING:
                 raise NotReadyError("this shard's job is being ended (psctl end-job); retry")
             if self._job is None:
-                self._job, self._rule = reg, rule
+                tables = self._make_tables(reg)
+                self._job, self._rule, self._tables = reg, rule, tables
                 self._state = ShardState.INITIALIZING
                 log.info(
                     "job defined by %s: shard %d of %d, %d parts (%s), optimizer %s, %s",
@@ -88,6 +94,11 @@ class Membership:
                     fmt_bytes(sum(p.nbytes for p in reg.parts)), reg.optimizer.name,
                     reg.consistency.describe(),
                 )
+                for table in tables.values():
+                    log.info("table %r: rows %d of %d (row i on shard i %% %d), dim %d, %s lr %g, init %s %g; "
+                             "%s reserved, resident as rows are written", table.spec.name, table.rows,
+                             table.spec.num_rows, reg.num_shards, table.spec.dim, table.spec.optimizer.name,
+                             table.spec.optimizer.lr, table.spec.init, table.spec.init_scale, fmt_bytes(table.nbytes))
             else:
                 check_same_job(self._job, reg)
             # A (re)joining worker starts at the shard's clock, so it never holds others back.
@@ -122,6 +133,17 @@ class Membership:
                 self._lease_timeout or 0.0, dict(worker.data), worker.secret,
                 sum(w.live for w in self._workers.values()),
             )
+
+    def _make_tables(self, reg: Registration) -> dict[str, RowTable]:
+        # Caller holds _lock. The arrays are zero pages until rows are written.
+        tables = {t.name: RowTable(t, reg.shard_index, reg.num_shards) for t in reg.tables}
+        total = sum(p.nbytes for p in reg.parts) + sum(t.nbytes for t in tables.values())
+        if total > self._max_model_bytes:
+            raise InvalidArgumentError(
+                f"registration puts {fmt_bytes(total)} of variables and table rows (with their optimizer state) on "
+                f"this shard, above its limit of {fmt_bytes(self._max_model_bytes)} (--max-model-bytes)"
+            )
+        return tables
 
     def _check_takeover(self, worker: Worker, session: bytes) -> None:
         # Caller holds _lock. A live registration of this name belongs to whoever holds its secret.

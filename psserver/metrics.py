@@ -203,6 +203,17 @@ class ShardCollector(Collector):
 
         yield from _data_queue(r.data)
 
+        rows = GaugeMetricFamily("psserver_table_rows", "Rows of the job's embedding tables on this shard, summed "
+                                 "over tables: held (this shard's share), written (updated at least once; the rest "
+                                 "hold their initial values and cost no memory).", labels=("state",))
+        for state in ("held", "written"):
+            rows.add_metric((state,), r.table_rows.get(state, 0))
+        yield rows
+        yield CounterMetricFamily("psserver_table_rows_pushed", "Table rows updated by pushes (a row once per push), "
+                                  "summed over tables.", value=r.table_rows.get("pushed", 0))
+        yield CounterMetricFamily("psserver_table_rows_pulled", "Table rows sent by PullRows, summed over tables.",
+                                  value=r.table_rows.get("pulled", 0))
+
         cp = self._checkpointer
         yield GaugeMetricFamily("psserver_checkpoint_last_success_timestamp_seconds",
                                 "Unix time of the last checkpoint this shard wrote (0: none yet).",

@@ -15,6 +15,7 @@ from threading import Lock
 from psserver.dataqueue import DataQueue
 from psserver.job import Registration
 from psserver.state import Counters, Reading, ShardState, Slot, Worker
+from psserver.tables import RowTable
 
 __all__ = ["Reports"]
 
@@ -33,6 +34,7 @@ class Reports:
     _state: ShardState
     _job: Registration | None
     _slots: dict[str, Slot]
+    _tables: dict[str, RowTable]
     _workers: dict[str, Worker]
     _version: int
     _counters: Counters
@@ -80,6 +82,11 @@ class Reports:
                 "staleness_histogram": list(self._counters.staleness_counts),
                 "uptime_seconds": now - self._started,
                 "data": self._data.status() if self._data is not None else None,
+                "tables": [
+                    {"spec": t.spec, "rows_held": t.rows, "rows_written": t.rows_written, "rows_pushed": t.rows_pushed,
+                     "rows_pulled": t.rows_pulled, "step": t.step, "bytes_resident": t.resident_bytes}
+                    for t in self._tables.values()
+                ],
             }
 
     def reading(self) -> Reading:
@@ -117,4 +124,10 @@ class Reports:
                 # sees the first wait.
                 pull_waits={**dict.fromkeys(self._workers, 0), **c.pull_waits},
                 data=self._data.status() if self._data is not None else None,
+                table_rows={
+                    "held": sum(t.rows for t in self._tables.values()),
+                    "written": sum(t.rows_written for t in self._tables.values()),
+                    "pushed": sum(t.rows_pushed for t in self._tables.values()),
+                    "pulled": sum(t.rows_pulled for t in self._tables.values()),
+                },
             )

@@ -23,7 +23,7 @@ from psserver.checkpoint import CheckpointError
 from psserver.store import PullSnapshot, Registration, ShardStore
 from pswire.wire import (
     consistency_from_proto, consistency_to_proto, data_plan_from_proto, data_plan_to_proto, data_status_to_proto,
-    optimizer_from_proto, optimizer_to_proto,
+    optimizer_from_proto, optimizer_to_proto, rows_from_proto, rows_to_proto, table_from_proto, table_to_proto,
 )
 
 __all__ = ["INLINE_LIMIT", "ParameterServerServicer", "STATUS_CODES", "Traffic", "add_to_server"]
@@ -173,6 +173,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 optimizer=optimizer_from_proto(request.optimizer),
                 job_fingerprint=request.job_fingerprint,
                 consistency=consistency_from_proto(request.consistency),
+                tables=tuple(table_from_proto(t) for t in request.tables),
             )
             result = self._store.register(reg, session=request.session)
         except (errors.PSError, ValueError) as exc:
@@ -227,12 +228,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def _expect(self, header: ps_pb2.TensorHeader, *, initialize: bool) -> tuple[list[Part], list[Part]]:
         """The parts a push or initialisation announces, validated, and the same parts as they
         travel (narrower when the worker compresses them)."""
-        parts = self._store.upload_parts([Part.from_proto(p) for p in header.parts], initialize=initialize)
+        parts = self._store.upload_parts([Part.from_proto(p) for p in header.parts], initialize=initialize,
+                                         rows=bool(header.rows))
+        if initialize and header.rows:
+            raise errors.InvalidArgumentError("an initialisation carries no table rows (rows start at their initial "
+                                              "values on the shards)")
         wire = wire_dtype_from_proto(header.wire_dtype)
         if wire is not None and initialize:
             raise errors.InvalidArgumentError("initial values must be sent in their own dtypes, not compressed")
         sent = [on_wire(p, wire) for p in parts]
-        total = sum(p.nbytes for p in sent)
+        total = sum(p.nbytes for p in sent) + sum(len(b.ids) + len(b.values) for b in header.rows)
         if total > self._max_request_bytes:
             raise errors.TooLargeError(
                 f"request carries {total} bytes, above this shard's limit of {self._max_request_bytes}"
@@ -386,12 +391,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> ps_pb2.PushResponse:
         """Apply an assembled push; its buffers are released either way."""
         try:
+            rows = self._store.decode_rows(header.rows) if header.rows else ()
+            if rows:
+                self.traffic.pushed("grpc", sum(len(b.ids) + len(b.values) for b in header.rows))
             result = self._store.apply_push(
                 header.worker_id, header.generation, header.sequence, header.base_version, parts, grads,
                 clock=header.clock, base_clock=header.base_clock,
                 data={"step": header.data.step, "epoch": header.data.epoch, "position": header.data.position}
                 if header.HasField("data") else None,
-                session=header.session,
+                session=header.session, rows=rows,
             )
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected(exc)
@@ -554,6 +562,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.traffic.pulled("lane", nbytes)
         return ps_pb2.InlinePull(header=header, bulk_bytes=nbytes)
 
+    def PullRows(self, request: ps_pb2.PullRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
+        try:
+            asked = []
+            for block in request.rows:
+                ids, _ = rows_from_proto(block, None)
+                asked.append((block.table, ids))
+            if len({name for name, _ in asked}) != len(asked):
+                raise errors.InvalidArgumentError("a table is listed twice in one PullRows")
+            version, clock, rows = self._store.pull_rows(
+                asked, timeout=_time_left(context, margin=0.05), worker_id=request.worker_id,
+                generation=request.generation, clock=request.clock,
+                session=request.session if request.worker_id else None,
+            )
+        except (errors.PSError, ValueError) as exc:
+            _abort(context, exc)
+        reply = ps_pb2.PullRowsResponse(version=version, clock=clock,
+                                        rows=[rows_to_proto(name, ids, values) for name, ids, values in rows])
+        self.traffic.pulled("grpc", sum(len(b.values) for b in reply.rows))
+        return reply
+
     def Status(self, request: ps_pb2.StatusRequest, context: grpc.ServicerContext) -> ps_pb2.StatusResponse:
         s = self._store.status()
         return ps_pb2.StatusResponse(
@@ -595,4 +623,5 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             max_inflight_bytes=self._budget.limit,
             updates_nonfinite=s["updates_nonfinite"],
             data=data_status_to_proto(s["data"]) if s["data"] else None,
+            tables=[ps_pb2.TableStatus(spec=table_to_proto(t.pop("spec")), **t) for t in s["tables"]],
         )

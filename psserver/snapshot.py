@@ -19,10 +19,12 @@ from pswire.dtypes import dtype_of
 from pswire.errors import InvalidArgumentError
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
+from pswire.tables import TableSpec
 from psserver.consistency import PushAction
 from psserver.job import MAX_COUNT, Registration
 from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
+from psserver.tables import RowTable, coalesce
 
 __all__ = ["FORMAT", "Decoded", "Position", "decode", "encode", "encode_job"]
 
@@ -42,6 +44,11 @@ def encode_job(job: Registration) -> dict[str, Any]:
             "stale_policy": job.consistency.stale_policy.value,
         },
         "parts": [[p.name, list(p.full_shape), dtype_name(p.dtype), p.row_start, p.row_end] for p in job.parts],
+        "tables": [
+            {"name": t.name, "num_rows": t.num_rows, "dim": t.dim, "optimizer": t.optimizer.to_dict(), "init": t.init,
+             "init_scale": t.init_scale, "seed": t.seed}
+            for t in job.tables
+        ],
     }
 
 
@@ -62,6 +69,12 @@ def _decode_job(doc: dict[str, Any]) -> Registration:
         optimizer=OptimizerConfig.from_dict(doc["optimizer"]),
         job_fingerprint=str(doc["job_fingerprint"]),
         consistency=Consistency(**doc["consistency"]),
+        tables=tuple(
+            TableSpec(name=str(t["name"]), num_rows=int(t["num_rows"]), dim=int(t["dim"]),
+                      optimizer=OptimizerConfig.from_dict(t["optimizer"]), init=str(t["init"]),
+                      init_scale=float(t["init_scale"]), seed=int(t["seed"]))
+            for t in doc.get("tables", [])
+        ),
     )
 
 
@@ -78,11 +91,27 @@ class Position:
 
 def encode(
     job: Registration, slots: Mapping[str, Slot], sync: SyncClock, workers: Mapping[str, Worker],
-    counters: Counters, position: Position,
+    counters: Counters, position: Position, tables: Mapping[str, RowTable] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Copies of every array of the state, by name, and the metadata beside them (caller
-    holds the store's lock)."""
+    holds the store's lock). A table's written rows go in pieces ``rows/NNNNN/...`` (each at
+    most ``psserver.tables.PIECE_BYTES``, a file of its own in the checkpoint), and its open
+    sync clock's gradients, summed per row, under ``syncrows/<table index>/``."""
     tensors: dict[str, np.ndarray] = {}
+    table_docs, piece_number = [], 0
+    for index, spec in enumerate(job.tables):
+        table = (tables or {})[spec.name]
+        pieces = table.pieces()
+        for piece in pieces:
+            for name, array in piece.items():
+                tensors[f"rows/{piece_number:05d}/{name}"] = array
+            piece_number += 1
+        table_docs.append({"name": spec.name, "step": table.step, "pieces": len(pieces),
+                           "rows_pushed": table.rows_pushed, "rows_pulled": table.rows_pulled})
+        blocks = sync.rows.get(spec.name)
+        if blocks is not None:
+            ids, sums = coalesce(blocks, spec.dim)
+            tensors[f"syncrows/{index}/ids"], tensors[f"syncrows/{index}/grads"] = ids, sums
     for key, slot in slots.items():
         tensors[f"var/{key}"] = slot.value.copy()
         for name, t in slot.state.items():
@@ -109,6 +138,7 @@ def encode(
             for w in workers.values()
         ],
         "counters": counters.checkpointed(),
+        "tables": table_docs,
     }
     return tensors, metadata
 
@@ -124,6 +154,7 @@ class Decoded:
     position: Position
     counters: dict[str, Any]
     """What :meth:`Counters.checkpointed` wrote, for :meth:`Counters.restore`."""
+    tables: dict[str, RowTable]
 
 
 def _check_counts(metadata: dict[str, Any]) -> None:
@@ -199,4 +230,44 @@ def decode(tensors: dict[str, np.ndarray], metadata: dict[str, Any], *, now: flo
         clock_floor=int(metadata["clock_floor"]), open_clock=int(metadata["open_clock"]),
         next_worker_id=int(metadata["next_worker_id"]),
     )
-    return Decoded(job, rule, slots, sync, workers, position, dict(metadata.get("counters", {})))
+    return Decoded(job, rule, slots, sync, workers, position, dict(metadata.get("counters", {})),
+                   _decode_tables(job, tensors, metadata, sync))
+
+
+def _decode_tables(job: Registration, tensors: dict[str, np.ndarray], metadata: dict[str, Any],
+                   sync: SyncClock) -> dict[str, RowTable]:
+    """The job's tables rebuilt from a checkpoint's pieces (every row checked), and the open sync
+    clock's row gradients put back into ``sync``. Raises ``ValueError`` naming the problem."""
+    docs = metadata.get("tables", [])
+    if [d.get("name") for d in docs] != [t.name for t in job.tables]:
+        raise ValueError("metadata's tables do not match the job's")
+    pieces: dict[int, dict[str, np.ndarray]] = {}
+    for key, array in tensors.items():
+        if key.startswith("rows/"):
+            _, number, name = (key.split("/", 2) + ["", ""])[:3]
+            if not (number.isdigit() and name):
+                raise ValueError(f"tensor {key!r} is not a table piece's (rows/NNNNN/name)")
+            pieces.setdefault(int(number), {})[name] = array
+    tables, number = {}, 0
+    for index, (spec, doc) in enumerate(zip(job.tables, docs)):
+        table = RowTable(spec, job.shard_index, job.num_shards)
+        for value in (doc.get("step"), doc.get("pieces"), doc.get("rows_pushed", 0), doc.get("rows_pulled", 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+                raise ValueError(f"metadata of table {spec.name!r} holds {value!r}, not a count")
+        table.step, table.rows_pushed, table.rows_pulled = doc["step"], doc["rows_pushed"], doc["rows_pulled"]
+        for _ in range(doc["pieces"]):
+            piece = pieces.pop(number, None)
+            if piece is None:
+                raise ValueError(f"table {spec.name!r}: piece {number} is missing")
+            table.load(piece)
+            number += 1
+        ids, grads = tensors.get(f"syncrows/{index}/ids"), tensors.get(f"syncrows/{index}/grads")
+        if ids is not None and grads is not None:
+            table.locate(ids, unique=True)
+            if grads.dtype != np.float32 or grads.shape != (ids.size, spec.dim) or not np.isfinite(grads).all():
+                raise ValueError(f"table {spec.name!r}: the open sync clock's gradients are damaged")
+            sync.rows[spec.name] = [(ids.copy(), grads.copy())]
+        tables[spec.name] = table
+    if pieces:
+        raise ValueError(f"pieces {sorted(pieces)} belong to no table")
+    return tables

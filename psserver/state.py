@@ -99,8 +99,13 @@ class SyncClock:
     spares: dict[str, np.ndarray] = field(default_factory=dict)
     """The previous clock's sums, reused for this clock's: a fresh buffer of a large variable
     costs a page fault per 4 KiB, more than the copy into it."""
+    rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    """Table -> the ``(ids, gradients)`` blocks received for this clock, summed per row when the
+    clock is applied and divided by the pushes received (a worker that touched no row of a
+    table adds zeros to its mean, as an all-reduce of sparse gradients does)."""
 
-    def add(self, worker: str, parts: Sequence[Part], grads: Sequence[np.ndarray]) -> None:
+    def add(self, worker: str, parts: Sequence[Part], grads: Sequence[np.ndarray],
+            rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = ()) -> None:
         for part, grad in zip(parts, grads):
             total = self.sums.get(part.key)
             if total is None:
@@ -113,6 +118,8 @@ class SyncClock:
             else:
                 np.add(total, grad, out=total)
             self.counts[part.key] = self.counts.get(part.key, 0) + 1
+        for table, ids, values in rows:
+            self.rows.setdefault(table, []).append((ids, values))
         self.received += 1
         self.contributors.add(worker)
 
@@ -210,6 +217,9 @@ class Reading:
     """Pulls that waited on the bound, by the worker waited for: every worker in the table."""
     data: dict | None = None
     """The data queue's status (``DataQueue.status``), None without dynamic data."""
+    table_rows: dict[str, int] = field(default_factory=dict)
+    """Rows of the job's tables on this shard, summed over tables: ``held``, ``written``,
+    ``pushed`` (row updates received) and ``pulled`` (rows sent)."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import numpy as np
 from pswire.codec import Part, dtype_name, on_wire
 from pswire.data import DataPlan, DataTask
 from pswire.dtypes import DType
+from pswire.wire import rows_from_proto
 from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from psserver import consistency as cons
 from psserver.consistency import Mode, PushAction
@@ -35,6 +36,7 @@ from psserver.lifecycle import RESTORE_ID_GAP, Lifecycle
 from psserver.membership import Membership
 from psserver.optimizers import UpdateRule
 from psserver.reports import Reports
+from psserver.tables import RowTable, RowUpdate, coalesce
 from psserver.state import (
     Counters, EndedJob, EndedJobs, PulledPart, PullSnapshot, PushResult, Reading, RegisterResult, ShardState, Slot,
     SyncClock, Worker,
@@ -103,6 +105,7 @@ class ShardStore(Membership, Lifecycle, Reports):
         self._job: Registration | None = None
         self._rule: UpdateRule | None = None
         self._slots: dict[str, Slot] = {}
+        self._tables: dict[str, RowTable] = {}  # the job's embedding tables: this shard's rows of each
         self._initializer: int | None = None
         self._init_deadline = 0.0
         self._workers: dict[str, Worker] = {}
@@ -150,11 +153,12 @@ class ShardStore(Membership, Lifecycle, Reports):
 
     # -- uploads ----------------------------------------------------------------------------
 
-    def upload_parts(self, header_parts: Sequence[Part], *, initialize: bool) -> list[Part]:
+    def upload_parts(self, header_parts: Sequence[Part], *, initialize: bool, rows: bool = False) -> list[Part]:
         """Validate the parts an Initialize or Push stream announces, before any bytes arrive.
 
         An initialisation lists every part of the shard, in order; a push lists a subset of
-        them without repeats (none at all only in ssp/sync, where it just advances the clock).
+        them without repeats (none at all when it carries table ``rows``, or in ssp/sync, where
+        it just advances the clock).
         Raises ``InvalidArgumentError`` naming the offending variable; when the shard has no job
         yet, ``PreconditionError`` for an initialisation and ``FencedError`` for a push (its
         sender registered with a shard that has since lost its state: it must register again).
@@ -166,7 +170,7 @@ class ShardStore(Membership, Lifecycle, Reports):
                 raise FencedError("this shard has no job (it restarted without a checkpoint?): register again")
             expected = {p.key: p for p in self._job.parts}
             clock_only_ok = not initialize and self._job.consistency.mode is not Mode.ASYNC
-        if not header_parts and not clock_only_ok:
+        if not header_parts and not clock_only_ok and not rows:
             raise InvalidArgumentError("the request names no variables")
         seen: set[str] = set()
         for part in header_parts:
@@ -246,9 +250,11 @@ class ShardStore(Membership, Lifecycle, Reports):
         base_clock: int = 0,
         data: Mapping[str, int] | None = None,
         session: bytes | None = None,
+        rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
     ) -> PushResult:
-        """Handle one push atomically per the job's consistency: apply it (every part or none),
-        scale it, drop it, or add it to the open sync clock.
+        """Handle one push atomically per the job's consistency: apply it (every part and every
+        table's rows, or none), scale it, drop it, or add it to the open sync clock. ``rows``:
+        ``(table, ids, gradients)`` of this shard's rows (:meth:`decode_rows`), each id once.
 
         A push whose ``sequence`` this worker generation already had handled is acknowledged
         again with its original reply and not re-applied; one older than the dedupe window, whose
@@ -326,17 +332,20 @@ class ShardStore(Membership, Lifecycle, Reports):
                 # One gradient per worker per clock, even across a re-registration.
                 decision = cons.PushDecision(PushAction.DROP, f"sync: {worker.name} already sent clock {clock}")
             if decision.action is PushAction.ACCUMULATE:
-                self._sync.add(worker.name, parts, grads)
+                self._sync.add(worker.name, parts, grads, rows)
             elif decision.action is PushAction.DROP:
                 self._counters.pushes_dropped += 1
                 log.debug("push of %s dropped: %s", worker.name, decision.reason)
-            elif parts:  # a push with no parts only advances the worker's clock
+            elif parts or rows:  # a push with neither only advances the worker's clock
                 self._verify_update(parts, grads, decision.lr_scale, worker.name)
+                updates = self._prepare_rows(rows, decision.lr_scale, worker.name)
                 self._version += 1
                 for part, grad in zip(parts, grads):
                     slot = self._slots[part.key]
                     self._rule.apply(slot.writable(), grad, slot.state, lr_scale=decision.lr_scale)
                     slot.version = self._version
+                for update in updates:
+                    update.table.commit(update)
                 self._counters.pushes_applied += 1
                 self._counters.pushes_scaled += decision.action is PushAction.SCALE
                 self._counters.record_staleness(staleness)
@@ -365,14 +374,54 @@ class ShardStore(Membership, Lifecycle, Reports):
                 self._counters.updates_nonfinite += 1
                 raise NonFiniteError(f"push of {who} refused: {part.key!r}: {exc}") from None
 
+    def _prepare_rows(
+        self, rows: Sequence[tuple[str, np.ndarray, np.ndarray]], lr_scale: float, who: str
+    ) -> list[RowUpdate]:
+        # Caller holds _lock. Every table's update is computed and checked before anything is
+        # written.
+        try:
+            return [self._tables[table].prepare(ids, values, lr_scale) for table, ids, values in rows]
+        except InvalidArgumentError as exc:
+            self._counters.updates_nonfinite += "non-finite" in str(exc)
+            raise NonFiniteError(f"push of {who} refused: {exc}") from None
+
+    def decode_rows(self, blocks: Sequence) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """``(table, ids, gradients)`` of a push's ``RowBlock`` messages, their sizes checked
+        against the job's tables (each table once). Raises ``InvalidArgumentError`` naming the
+        problem, ``FencedError`` when the shard has no job."""
+        with self._lock:
+            if self._job is None:
+                raise FencedError("this shard has no job (it restarted without a checkpoint?): register again")
+            tables = dict(self._tables)
+        out, seen = [], set()
+        for block in blocks:
+            table = tables.get(block.table)
+            if table is None:
+                known = ", ".join(repr(t) for t in tables) or "none"
+                raise InvalidArgumentError(f"unknown table {block.table!r} (the job's tables: {known})")
+            if block.table in seen:
+                raise InvalidArgumentError(f"table {block.table!r} is listed twice in one push")
+            seen.add(block.table)
+            ids, values = rows_from_proto(block, table.spec.dim)
+            out.append((block.table, ids, values))
+        return out
+
     def _apply_aggregate(self) -> None:
         # Caller holds _lock. One update per sync clock: the mean of the gradients received.
         assert self._rule is not None
         means = list(self._sync.means())
+        received = self._sync.received
         try:
             for key, mean in means:
                 slot = self._slots[key]
                 self._rule.verify(slot.value, mean, slot.state)
+            updates = []
+            for table, blocks in self._sync.rows.items():
+                key = table
+                ids, sums = coalesce(blocks, self._tables[table].spec.dim)
+                if received > 1:
+                    sums /= np.float32(received)
+                updates.append(self._tables[table].prepare(ids, sums))
         except InvalidArgumentError as exc:
             # The clock's pushes were acknowledged as accumulated; its update is dropped whole.
             self._counters.updates_nonfinite += 1
@@ -384,6 +433,8 @@ class ShardStore(Membership, Lifecycle, Reports):
                 slot = self._slots[key]
                 self._rule.apply(slot.writable(), mean, slot.state)
                 slot.version = self._version
+            for update in updates:
+                update.table.commit(update)
             self._counters.pushes_applied += 1
             self._counters.record_staleness(0)
         self._sync = SyncClock(spares=self._sync.sums)
@@ -462,29 +513,9 @@ class ShardStore(Membership, Lifecycle, Reports):
         never reach. Raises ``NotReadyError`` (not initialised, or too many pulls waiting) or
         ``DeadlineError`` naming the worker it waited for.
         """
-        check_count("clock", max(clock, 0))
-        deadline = self._now() + timeout
-        with self._lock:
-            if worker_id and worker_id not in self._by_id:
-                # The shard lost its state (restarted without a checkpoint) or its job ended:
-                # waiting would not help.
-                raise self._unknown(worker_id)
-            if worker_id and session is not None:
-                worker = self._by_id[worker_id]
-                if not (worker.secret and hmac.compare_digest(session, worker.secret)):
-                    # A pull as a worker is that worker's: only its session may make it.
-                    self._check_worker(worker_id, generation, session)
-        self.wait_ready(timeout, worker_id=worker_id)
+        deadline = self._admit_reader(worker_id, generation, session, clock, timeout)
         with self._changed:
-            if worker_id and worker_id not in self._by_id:
-                raise self._unknown(worker_id)
-            job = self._job
-            assert job is not None
-            if clock >= 0 and worker_id:
-                reader = self._check_worker(worker_id, generation, session)
-                if job.consistency.mode is not Mode.ASYNC:
-                    self._wait_for_bound(job.consistency, reader, clock, deadline)
-                    self._check_worker(worker_id, generation, session)  # it may have been evicted meanwhile
+            self._await_bound(worker_id, generation, session, clock, deadline)
             out, held = [], []
             for slot in self._slots.values():
                 if known_versions.get(slot.part.key) == slot.version:
@@ -497,6 +528,68 @@ class ShardStore(Membership, Lifecycle, Reports):
                     out.append(PulledPart(slot.part, slot.version, slot.value))
             self._counters.pulls_served += 1
             return PullSnapshot(self._version, self._current_clock(), out, lambda: self._release(held))
+
+    def pull_rows(
+        self,
+        requests: Sequence[tuple[str, np.ndarray]],
+        *,
+        timeout: float,
+        worker_id: int = 0,
+        generation: int = 0,
+        clock: int = -1,
+        session: bytes | None = None,
+    ) -> tuple[int, int, list[tuple[str, np.ndarray, np.ndarray]]]:
+        """Rows of the job's tables: ``(version, clock, [(table, ids, values)])`` for each
+        ``(table, ids)`` asked (copies; initial values for rows never written). Waits as
+        :meth:`pull` does, and raises as it does, plus ``InvalidArgumentError`` for an unknown
+        table or an id outside the table or on another shard (nothing is read then)."""
+        deadline = self._admit_reader(worker_id, generation, session, clock, timeout)
+        with self._changed:
+            self._await_bound(worker_id, generation, session, clock, deadline)
+            located = []
+            for name, ids in requests:
+                table = self._tables.get(name)
+                if table is None:
+                    known = ", ".join(repr(t) for t in self._tables) or "none"
+                    raise InvalidArgumentError(f"unknown table {name!r} (the job's tables: {known})")
+                table.locate(ids, unique=False)  # every request checked before any is read
+                located.append((name, table, ids))
+            out = [(name, ids, table.read(ids)) for name, table, ids in located]
+            self._counters.pulls_served += 1
+            return self._version, self._current_clock(), out
+
+    def _admit_reader(self, worker_id: int, generation: int, session: bytes | None, clock: int,
+                      timeout: float) -> float:
+        # The checks of a read before it waits for the shard to be ready, which it then does;
+        # returns the read's deadline.
+        check_count("clock", max(clock, 0))
+        deadline = self._now() + timeout
+        with self._lock:
+            if worker_id and worker_id not in self._by_id:
+                # The shard lost its state (restarted without a checkpoint) or its job ended:
+                # waiting would not help.
+                raise self._unknown(worker_id)
+            if worker_id and session is not None:
+                worker = self._by_id[worker_id]
+                if not (worker.secret and hmac.compare_digest(session, worker.secret)):
+                    # A read as a worker is that worker's: only its session may make it.
+                    self._check_worker(worker_id, generation, session)
+        self.wait_ready(timeout, worker_id=worker_id)
+        return deadline
+
+    def _await_bound(self, worker_id: int, generation: int, session: bytes | None, clock: int,
+                     deadline: float) -> None:
+        # Caller holds _lock (through _changed). A training read (a worker's, at clock >= 0)
+        # waits until the consistency bound lets it read.
+        if worker_id and worker_id not in self._by_id:
+            raise self._unknown(worker_id)
+        job = self._job
+        assert job is not None
+        if clock >= 0 and worker_id:
+            reader = self._check_worker(worker_id, generation, session)
+            if job.consistency.mode is not Mode.ASYNC:
+                self._wait_for_bound(job.consistency, reader, clock, deadline)
+                self._check_worker(worker_id, generation, session)  # it may have been evicted meanwhile
 
     def _release(self, held: list[tuple[Slot, np.ndarray]]) -> None:
         with self._lock:

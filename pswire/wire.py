@@ -5,15 +5,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from pswire.consistency import Consistency
 from pswire.data import DataPlan, DataTask
 from pswire.errors import InvalidArgumentError
 from pswire.optim import OptimizerConfig
+from pswire.tables import TableSpec
 from pswire.v1 import ps_pb2
 
 __all__ = [
     "MAX_COUNT", "check_count", "consistency_from_proto", "consistency_to_proto", "data_plan_from_proto",
     "data_plan_to_proto", "data_status_to_proto", "data_task_to_proto", "optimizer_from_proto", "optimizer_to_proto",
+    "rows_from_proto", "rows_to_proto", "table_from_proto", "table_to_proto",
 ]
 
 MAX_COUNT = 1 << 53
@@ -80,3 +84,47 @@ def data_status_to_proto(status: dict[str, Any]) -> ps_pb2.DataQueueStatus:
         holders=[ps_pb2.DataHolder(worker_name=name, generation=generation, task=data_task_to_proto(task))
                  for name, generation, task in status["holders"]],
     )
+
+
+def table_to_proto(spec: TableSpec) -> ps_pb2.TableSpec:
+    return ps_pb2.TableSpec(name=spec.name, num_rows=spec.num_rows, dim=spec.dim,
+                            optimizer=optimizer_to_proto(spec.optimizer), init=spec.init,
+                            init_scale=spec.init_scale, seed=spec.seed)
+
+
+def table_from_proto(msg: ps_pb2.TableSpec) -> TableSpec:
+    """Raises ``InvalidArgumentError`` naming the bad setting."""
+    optimizer = optimizer_from_proto(msg.optimizer)
+    try:
+        return TableSpec(name=msg.name, num_rows=msg.num_rows, dim=msg.dim, optimizer=optimizer, init=msg.init,
+                         init_scale=msg.init_scale, seed=msg.seed)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+
+
+def rows_to_proto(table: str, ids: np.ndarray, values: np.ndarray | None = None) -> ps_pb2.RowBlock:
+    """A ``RowBlock`` of int64 ``ids`` and, for a push or a reply, their float32 ``values``."""
+    block = ps_pb2.RowBlock(table=table, ids=np.ascontiguousarray(ids, dtype="<i8").tobytes())
+    if values is not None:
+        block.values = np.ascontiguousarray(values, dtype="<f4").tobytes()
+    return block
+
+
+def rows_from_proto(block: ps_pb2.RowBlock, dim: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(ids, values)`` of a ``RowBlock`` as read-only views of its bytes (``values`` None when
+    ``dim`` is None: a pull's request). Raises ``InvalidArgumentError`` when the sizes disagree."""
+    if len(block.ids) % 8:
+        raise InvalidArgumentError(f"rows of table {block.table!r}: {len(block.ids)} bytes of ids, not a whole "
+                                   "number of int64")
+    ids = np.frombuffer(block.ids, dtype="<i8")
+    if dim is None:
+        if block.values:
+            raise InvalidArgumentError(f"rows of table {block.table!r}: a pull's request carries no values")
+        return ids, None
+    expected = ids.size * dim * 4
+    if len(block.values) != expected:
+        raise InvalidArgumentError(
+            f"rows of table {block.table!r}: {len(block.values)} bytes of values for {ids.size} ids of {dim} "
+            f"float32 each ({expected} bytes)"
+        )
+    return ids, np.frombuffer(block.values, dtype="<f4").reshape(ids.size, dim)

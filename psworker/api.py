@@ -27,6 +27,7 @@ from pswire.consistency import Consistency, Mode
 from pswire.optim import OptimizerConfig
 from pswire.placement import model_spec
 from psworker.client import ClientOptions, PSClient
+from psworker.embedding import attach
 
 __all__ = ["DistributedOptimizer", "Session", "connect"]
 
@@ -86,6 +87,10 @@ class Session:
         self._params: dict[str, torch.nn.Parameter] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] = {}
+        self._table_specs: list = []
+        self.tables = None
+        """The ``psworker.embedding.TableRows`` of the model's ``ShardedEmbedding`` tables (None
+        without any): their lookups this step, pushed by ``step()``."""
         self.rejoins = 0
         """How many times this worker re-registered after being fenced off."""
         self.steps = 0
@@ -111,7 +116,9 @@ class Session:
 
         ``optimizer`` is a ``torch.optim`` SGD, Adam or Adagrad over the model's parameters (its
         hyper-parameters become the job's update rule on the shards) or an ``OptimizerConfig``;
-        ``consistency`` the job's setting (default async), which every worker must share.
+        ``consistency`` the job's setting (default async), which every worker must share. The
+        model's ``psworker.ShardedEmbedding`` modules become the job's tables, their rows on the
+        shards: each forward pulls the rows its ids touch, and ``step()`` pushes their gradients.
         Returns the same model object and a :class:`DistributedOptimizer`. Raises ``ValueError``
         for unsupported optimizers, ``PreconditionError`` when the model or settings disagree
         with the job's.
@@ -119,7 +126,8 @@ class Session:
         config = optimizer if isinstance(optimizer, OptimizerConfig) else OptimizerConfig.from_torch(optimizer)
         self._params = dict(model.named_parameters())
         if not self._params:
-            raise ValueError("the model has no parameters")
+            raise ValueError("the model has no parameters (a model of tables alone needs one dense parameter)")
+        self._table_specs, self.tables = attach(model, self.client, config)
         for name, param in self._params.items():
             # Pulls write into a CPU tensor of the parameter's shape: the parameter itself when it
             # lives on the CPU and is contiguous, otherwise a staging copy (pinned for CUDA).
@@ -150,7 +158,7 @@ class Session:
         spec = model_spec(initial.items())
         self.initialized_job = self.client.register(
             spec, self._optimizer_config, worker_name=self.worker_name, job_fingerprint=self.job,
-            initial_values=initial, consistency=self._consistency,
+            initial_values=initial, consistency=self._consistency, tables=self._table_specs,
         )
         return spec
 
@@ -186,24 +194,34 @@ class Session:
         """Push the parameters' gradients; parameters without a gradient are left out, as
         ``torch.optim`` skips them. Raises ``InvalidArgumentError`` if a gradient is not finite."""
         self.synchronize()
-        self.client.push(self._gradients(), data=self.progress)
+        rows = self._row_gradients()
+        self.client.push(self._gradients(allow_none=bool(rows)), data=self.progress, rows=rows)
 
     def push_pull(self) -> None:
         """A training step's traffic: push the gradients, then load the updated weights (one
         call per shard when both are small; see ``PSClient.push_pull``). With overlap: load the
         weights of the previous step's exchange, then start this one in the background."""
+        rows = self._row_gradients()
         if not self.overlap:
-            self.client.push_pull(self._gradients(), self._staging, data=self.progress)
+            self.client.push_pull(self._gradients(allow_none=bool(rows)), self._staging, data=self.progress, rows=rows)
             self._load_staged()
             return
         computed_on = self._loaded_versions  # the weights this step's gradients come from
         self.synchronize()
-        grads = self._gradients()  # copies: the next backward may write the gradients in place
+        grads = self._gradients(allow_none=bool(rows))  # copies: the next backward may write them in place
         progress = dict(self.progress) if self.progress else None
         assert self._exchanger is not None
         self._pending = self._exchanger.submit(
-            self.client.push_pull, grads, self._staging, data=progress, base_versions=computed_on,
+            self.client.push_pull, grads, self._staging, data=progress, base_versions=computed_on, rows=rows,
         )
+
+    def _row_gradients(self) -> dict:
+        """This step's table rows and their gradients (copies), and the lookups forgotten."""
+        if self.tables is None:
+            return {}
+        rows = self.tables.gradients()
+        self.tables.clear()
+        return rows
 
     def leave(self) -> None:
         """Leave the job's membership but stay connected (ssp/sync peers stop waiting for this
@@ -234,7 +252,7 @@ class Session:
             pending.result()
             self._load_staged()
 
-    def _gradients(self) -> dict[str, torch.Tensor]:
+    def _gradients(self, *, allow_none: bool = False) -> dict[str, torch.Tensor]:
         grads = {}
         with torch.no_grad():
             for name, param in self._params.items():
@@ -247,7 +265,7 @@ class Session:
                 elif not grad.is_contiguous():
                     grad = grad.contiguous()
                 grads[name] = grad
-        if not grads:
+        if not grads and not allow_none:
             raise errors.InvalidArgumentError("no parameter has a gradient: call backward() before step()")
         return grads
 
@@ -314,6 +332,8 @@ class DistributedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.session.tables is not None:
+            self.session.tables.clear()
         for param in self.session._params.values():
             if param.grad is None:
                 continue

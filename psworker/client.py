@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pswire import errors
@@ -21,8 +22,11 @@ from pswire.codec import Part, dtype_to_wire, on_wire
 from pswire.dtypes import dtype_of
 from pswire.optim import OptimizerConfig
 from pswire.placement import Placement, VariableSpec, place
+from pswire.tables import TableSpec, owner
 from pswire.v1 import ps_pb2
-from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_to_proto
+from pswire.wire import (
+    consistency_from_proto, consistency_to_proto, optimizer_to_proto, rows_from_proto, rows_to_proto, table_to_proto,
+)
 from psworker.admin import AdminClient
 from psworker.options import ClientOptions, parse_addresses
 from psworker.retry import retrying
@@ -80,6 +84,8 @@ class PSClient(AdminClient):
         self.placement: Placement | None = None
         self.consistency = Consistency()
         """The job's setting, as the shards reported it at registration."""
+        self.tables: dict[str, TableSpec] = {}
+        """The job's embedding tables, by name (``register``)."""
         self._sessions: list[_ShardSession] = []
         self._secrets: dict[str, bytes] = {}
         """Shard address -> this worker's session secret there (a re-registration proves with it
@@ -113,14 +119,18 @@ class PSClient(AdminClient):
         job_fingerprint: str = "",
         initial_values: Mapping[str, torch.Tensor] | None = None,
         consistency: Consistency | None = None,
+        tables: Sequence[TableSpec] = (),
     ) -> bool:
         """Join the job on every shard; upload ``initial_values`` where this worker is chosen to
-        initialise. Returns True if this worker initialised at least one shard.
+        initialise. Returns True if this worker initialised at least one shard. ``tables``: the
+        job's embedding tables (their rows live on the shards, row ``i`` on shard ``i % n``).
 
         Raises ``PreconditionError`` when the model or settings disagree with the job's.
         """
         placement = self.set_placement(spec)
         wanted = consistency or Consistency()
+        self.tables = {t.name: t for t in tables}
+        table_protos = [table_to_proto(t) for t in tables]
         leases: list[float] = []
         positions: list[dict[str, int]] = []
         joined: list[tuple[int, int]] = []  # (version, live workers) of each shard
@@ -132,7 +142,7 @@ class PSClient(AdminClient):
                 placement_digest=placement.digest(), parts=[p.to_proto() for p in session.parts],
                 optimizer=optimizer_to_proto(optimizer), job_fingerprint=job_fingerprint,
                 consistency=consistency_to_proto(wanted),
-                session=self._secrets.get(session.client.address, b""),
+                session=self._secrets.get(session.client.address, b""), tables=table_protos,
             )
             reply = retrying(lambda: session.client.register(request), self.options, session.client.address, "register")
             self._secrets[session.client.address] = reply.session
@@ -240,16 +250,18 @@ class PSClient(AdminClient):
 
     def _push_message(
         self, session: _ShardSession, grads: Mapping[str, torch.Tensor], data: Mapping[str, int] | None,
-        base_version: int | None = None,
+        base_version: int | None = None, rows: Sequence[ps_pb2.RowBlock] = (),
     ) -> tuple[ps_pb2.TensorHeader, list[memoryview]] | None:
-        """The next push to ``session`` (None when it holds none of ``grads`` and, in async,
-        needs no clock tick); takes the next sequence number. ``base_version``: the version the
-        gradient was computed from, when not that of the last pull."""
+        """The next push to ``session`` (None when it holds none of ``grads`` and no ``rows``
+        and, in async, needs no clock tick); takes the next sequence number. ``base_version``:
+        the version the gradient was computed from, when not that of the last pull. ``rows``:
+        this shard's blocks of table rows (:meth:`_row_blocks`)."""
         parts = [p for p in session.parts if p.name in grads]
-        if not parts and self.consistency.mode is Mode.ASYNC:
+        if not parts and not rows and self.consistency.mode is Mode.ASYNC:
             return None
         session.sequence += 1
         header = self._header(session, session.version if base_version is None else base_version, parts)
+        header.rows.extend(rows)
         if data:
             header.data.CopyFrom(ps_pb2.DataPosition(**data))
         wire = self.options.wire_dtype
@@ -325,18 +337,21 @@ class PSClient(AdminClient):
             )
 
     def push(
-        self, grads: Mapping[str, torch.Tensor], *, data: Mapping[str, int] | None = None
+        self, grads: Mapping[str, torch.Tensor], *, data: Mapping[str, int] | None = None,
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> list[ps_pb2.PushResponse | None]:
         """Push gradients (variable name -> contiguous CPU tensor) to the shards holding them,
         computed from the versions of the last pull. In async, shards with none of the variables
         are skipped (``None`` in the result); in ssp/sync they get an empty push, which advances
-        this worker's clock there."""
+        this worker's clock there. ``rows``: table -> ``(ids, gradients)`` of this step's rows
+        (each id once), pushed with the gradients to the shards holding them."""
         sessions = self._require_sessions()
+        blocks = dict(zip(map(id, sessions), self._row_blocks(rows)))
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
             started = time.monotonic()
-            message = self._push_message(session, grads, data)
+            message = self._push_message(session, grads, data, rows=blocks[id(session)])
             if message is None:
                 return None
             reply = retrying(lambda: session.client.push(*message), self.options, session.client.address, "push")
@@ -352,21 +367,24 @@ class PSClient(AdminClient):
     def push_pull(
         self, grads: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor], *,
         data: Mapping[str, int] | None = None, base_versions: Sequence[int] | None = None,
+        rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> list[ps_pb2.PushResponse | None]:
         """One training step's traffic: :meth:`push`, then :meth:`pull` into ``destinations``
         (waiting on the bound in ssp/sync). A shard whose push and pull both fit in
         ``inline_bytes``, or whose bulk lanes are open, gets them as one call; the others as two.
         A retried call repeats the push's sequence number, so the shard applies it once.
         ``base_versions`` (one per shard): the versions the gradients were computed from, when
-        not those of the last pull (a worker that overlaps steps computes on older weights)."""
+        not those of the last pull (a worker that overlaps steps computes on older weights).
+        ``rows`` as in :meth:`push`."""
         sessions = self._require_sessions()
         may_wait = self.consistency.mode is not Mode.ASYNC
         bases = dict(zip(map(id, sessions), base_versions)) if base_versions is not None else {}
+        blocks = dict(zip(map(id, sessions), self._row_blocks(rows)))
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
             started = time.monotonic()
-            message = self._push_message(session, grads, data, bases.get(id(session)))
+            message = self._push_message(session, grads, data, bases.get(id(session)), blocks[id(session)])
             request, dest, nbytes = self._pull_request(
                 session, destinations, skip_unchanged=True, may_wait=may_wait,
                 clock=session.clock + (message is not None),
@@ -392,6 +410,66 @@ class PSClient(AdminClient):
         replies = self._fan_out_waiting(one, sessions, may_wait)
         self._report(timings)
         return replies
+
+    def _row_blocks(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None) -> list[list[ps_pb2.RowBlock]]:
+        """Each shard's ``RowBlock`` messages of ``rows`` (table -> (ids, gradients)): row ``i``
+        goes to shard ``i % n``. Every table of ``rows`` gets a block on every shard, an empty
+        one where none of its rows lives there, so that each shard counts the table's step."""
+        n = self.num_shards
+        out: list[list[ps_pb2.RowBlock]] = [[] for _ in range(n)]
+        for table, (ids, values) in (rows or {}).items():
+            if table not in self.tables:
+                raise ValueError(f"unknown table {table!r}: register it first")
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            where = owner(ids, n)
+            for shard in range(n):
+                mask = where == shard
+                out[shard].append(rows_to_proto(table, ids[mask], values[mask]))
+        return out
+
+    def pull_rows(
+        self, requests: Mapping[str, np.ndarray], *, wait: bool = True
+    ) -> dict[str, np.ndarray]:
+        """Rows of the job's tables: table -> int64 ``ids`` (each once) in, table -> float32
+        ``(len(ids), dim)`` values out, from every shard at once. In ssp/sync a training read
+        waits on the bound as :meth:`pull` does (``wait=False`` reads at once)."""
+        sessions = self._require_sessions()
+        may_wait = wait and self.consistency.mode is not Mode.ASYNC
+        n = self.num_shards
+        plan = []
+        for table, ids in requests.items():
+            spec = self.tables.get(table)
+            if spec is None:
+                raise ValueError(f"unknown table {table!r}: register it first")
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            plan.append((table, spec, ids, owner(ids, n)))
+
+        def one(shard: int) -> ps_pb2.PullRowsResponse | None:
+            session = sessions[shard]
+            blocks = [rows_to_proto(table, ids[where == shard]) for table, _, ids, where in plan]
+            if not any(b.ids for b in blocks):
+                return None
+            nbytes = sum(len(b.ids) // 8 * spec.row_bytes for b, (_, spec, _, _) in zip(blocks, plan))
+            request = ps_pb2.PullRowsRequest(worker_id=session.worker_id, generation=session.generation,
+                                             session=session.secret, clock=session.clock if may_wait else -1,
+                                             rows=blocks)
+            return retrying(lambda: session.client.pull_rows(request, nbytes, may_wait=may_wait), self.options,
+                            session.client.address, "pull rows")
+
+        replies = self._fan_out(one, range(n))
+        out = {table: np.empty((ids.size, spec.dim), dtype=np.float32) for table, spec, ids, _ in plan}
+        for shard, reply in enumerate(replies):
+            if reply is None:
+                continue
+            for block, (table, spec, ids, where) in zip(reply.rows, plan):
+                got_ids, values = rows_from_proto(block, spec.dim)
+                mask = where == shard
+                if block.table != table or not np.array_equal(got_ids, ids[mask]):
+                    raise errors.InvalidArgumentError(f"shard {sessions[shard].client.address} answered other rows "
+                                                      f"of table {table!r} than asked for")
+                out[table][mask] = values
+        return out
 
     def _report(self, timings: list[tuple[float, float, float]] | None) -> None:
         """Hand the phases of the slowest shard's call to ``options.on_exchange``."""

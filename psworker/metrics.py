@@ -75,6 +75,14 @@ class WorkerMetrics:
                     "(dynamic data: the rest were held by other workers).", registry=registry),
         )
         self._data_seen = (0, 0.0)
+        # Embedding tables' lookups, at 0 for a model without ShardedEmbedding tables.
+        self._table = (
+            Counter("psworker_table_ids_total", "Ids this worker's training steps looked up in the job's embedding "
+                    "tables, repeats included.", registry=registry),
+            Counter("psworker_table_rows_total", "Distinct table rows those lookups pulled (and pushed back): "
+                    "rows / ids is the unique-row ratio of the batches.", registry=registry),
+        )
+        self._table_seen = (0, 0)
         self._rejoins_seen = 0
         self._lock = threading.Lock()  # guards _exchange: the client's threads add, the training loop takes
         self._exchange = [0.0, 0.0, 0.0]
@@ -87,6 +95,13 @@ class WorkerMetrics:
         self._data[0].inc(max(0, tasks - done))
         self._data[1].inc(max(0.0, wait_seconds - waited))
         self._data_seen = (max(tasks, done), max(wait_seconds, waited))
+
+    def tables(self, *, ids: int, rows: int) -> None:
+        """Table lookups: the totals so far (``TableRows.rows_looked_up`` and ``rows_unique``)."""
+        seen_ids, seen_rows = self._table_seen
+        self._table[0].inc(max(0, ids - seen_ids))
+        self._table[1].inc(max(0, rows - seen_rows))
+        self._table_seen = (max(ids, seen_ids), max(rows, seen_rows))
 
     def retried(self, what: str) -> None:
         """``ClientOptions.on_retry``."""

@@ -161,6 +161,10 @@ class ShardClient(ShardChannel):
         reply names all the tasks the worker holds (``psworker.elastic``)."""
         return retrying(lambda: self._call(self._stub.Data, request), self.options, self.address, "data")
 
+    def pull_rows(self, request: ps_pb2.PullRowsRequest, nbytes: int, *, may_wait: bool) -> ps_pb2.PullRowsResponse:
+        """Rows of the job's tables (``nbytes`` of values expected); ``may_wait`` as :meth:`pull`."""
+        return self._call(self._stub.PullRows, request, timeout=self._pull_deadline(nbytes, may_wait))
+
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
         *, may_wait: bool = False,

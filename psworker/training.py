@@ -168,7 +168,7 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
 
     session = None
     if config.local:
-        optimizer = _local_optimizer(model, opt_config)
+        model, optimizer = local_training(model, opt_config)
     else:
         options = ClientOptions(
             timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
@@ -235,6 +235,8 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         if metrics is not None:
             metrics.step(seconds=time.monotonic() - step_started, exchange_seconds=exchange_seconds,
                          samples=len(idx), loss=value, rejoins=session.rejoins if session is not None else 0)
+            if session is not None and session.tables is not None:
+                metrics.tables(ids=session.tables.rows_looked_up, rows=session.tables.rows_unique)
         recent.append(value)
         if config.record_losses:
             losses.append(value)
@@ -361,8 +363,54 @@ def _wait_for_workers(session, count: int, timeout: float, name: str, mode: str)
         pause.wait(0.05)  # a plain timed wait between status polls; nothing sets it
 
 
-def _local_optimizer(model: torch.nn.Module, c) -> torch.optim.Optimizer:
-    params = model.parameters()
+class LocalOptimizers:
+    """The ``--local`` baseline of a model with ``ShardedEmbedding`` tables: the tables become
+    ``nn.Embedding(sparse=True)`` with the same initial rows (``psworker.embedding.localize``),
+    each stepped by the torch optimizer its table's rule follows (``SGD``, ``Adagrad``,
+    ``SparseAdam``), and the rest of the model by the job's optimizer."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+
+def local_training(model: torch.nn.Module, c) -> tuple[torch.nn.Module, torch.optim.Optimizer | LocalOptimizers]:
+    """The model and optimizer of ``--local`` training with the job's optimizer settings ``c``
+    (the model's ``ShardedEmbedding`` tables made local, as :class:`LocalOptimizers` says)."""
+    from psworker.embedding import localize, sharded_embeddings
+
+    tables = [(path, module.spec_for(c, module.name or path)) for path, module in sharded_embeddings(model)]
+    if not tables:
+        return model, _local_optimizer(model.parameters(), c)
+    device = next(model.parameters()).device
+    localize(model)
+    for path, _ in tables:
+        model.get_submodule(path).to(device)
+    sparse = {id(model.get_submodule(path).weight) for path, _ in tables}
+    optimizers = [_local_optimizer([p for p in model.parameters() if id(p) not in sparse], c)]
+    for path, spec in tables:
+        weight, t = model.get_submodule(path).weight, spec.optimizer
+        if t.name == "adam":
+            optimizers.append(torch.optim.SparseAdam([weight], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps))
+        else:
+            optimizers.append(_local_optimizer([weight], t))
+    return model, LocalOptimizers(optimizers)
+
+
+def _local_optimizer(params, c) -> torch.optim.Optimizer:
     if c.name == "sgd":
         return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, dampening=c.dampening,
                                nesterov=c.nesterov, weight_decay=c.weight_decay)

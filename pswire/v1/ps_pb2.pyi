@@ -82,8 +82,36 @@ class ConsistencySettings(_message.Message):
     stale_policy: str
     def __init__(self, mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., stale_policy: _Optional[str] = ...) -> None: ...
 
+class TableSpec(_message.Message):
+    __slots__ = ("name", "num_rows", "dim", "optimizer", "init", "init_scale", "seed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_rows: int
+    dim: int
+    optimizer: OptimizerSettings
+    init: str
+    init_scale: float
+    seed: int
+    def __init__(self, name: _Optional[str] = ..., num_rows: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., init: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class RowBlock(_message.Message):
+    __slots__ = ("table", "ids", "values")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    values: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_name", "shard_index", "num_shards", "placement_digest", "parts", "optimizer", "job_fingerprint", "consistency", "session")
+    __slots__ = ("worker_name", "shard_index", "num_shards", "placement_digest", "parts", "optimizer", "job_fingerprint", "consistency", "session", "tables")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +121,7 @@ class RegisterRequest(_message.Message):
     JOB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     shard_index: int
     num_shards: int
@@ -102,7 +131,8 @@ class RegisterRequest(_message.Message):
     job_fingerprint: str
     consistency: ConsistencySettings
     session: bytes
-    def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., session: _Optional[bytes] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    def __init__(self, worker_name: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., placement_digest: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., job_fingerprint: _Optional[str] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., session: _Optional[bytes] = ..., tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "generation", "must_initialize", "version", "clock", "consistency", "lease_seconds", "data", "bulk_port", "session", "workers_live")
@@ -141,7 +171,7 @@ class DataPosition(_message.Message):
     def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock", "data", "wire_dtype", "session")
+    __slots__ = ("worker_id", "generation", "sequence", "base_version", "parts", "clock", "base_clock", "data", "wire_dtype", "session", "rows")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +182,7 @@ class TensorHeader(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     generation: int
     sequence: int
@@ -162,7 +193,8 @@ class TensorHeader(_message.Message):
     data: DataPosition
     wire_dtype: DType
     session: bytes
-    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[bytes] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., sequence: _Optional[int] = ..., base_version: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., clock: _Optional[int] = ..., base_clock: _Optional[int] = ..., data: _Optional[_Union[DataPosition, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., session: _Optional[bytes] = ..., rows: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("part_index", "offset", "data")
@@ -347,6 +379,48 @@ class PullMessage(_message.Message):
     chunk: TensorChunk
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
+class PullRowsRequest(_message.Message):
+    __slots__ = ("worker_id", "generation", "session", "clock", "rows")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    generation: int
+    session: bytes
+    clock: int
+    rows: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, worker_id: _Optional[int] = ..., generation: _Optional[int] = ..., session: _Optional[bytes] = ..., clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class PullRowsResponse(_message.Message):
+    __slots__ = ("version", "clock", "rows")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    clock: int
+    rows: _containers.RepeatedCompositeFieldContainer[RowBlock]
+    def __init__(self, version: _Optional[int] = ..., clock: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[RowBlock, _Mapping]]] = ...) -> None: ...
+
+class TableStatus(_message.Message):
+    __slots__ = ("spec", "rows_held", "rows_written", "rows_pushed", "rows_pulled", "step", "bytes_resident")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ROWS_HELD_FIELD_NUMBER: _ClassVar[int]
+    ROWS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    rows_held: int
+    rows_written: int
+    rows_pushed: int
+    rows_pulled: int
+    step: int
+    bytes_resident: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., rows_held: _Optional[int] = ..., rows_written: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., step: _Optional[int] = ..., bytes_resident: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -380,7 +454,7 @@ class StalenessBucket(_message.Message):
     def __init__(self, staleness: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds", "last_checkpoint_id", "last_checkpoint_path", "checkpoint_dir", "push_bytes_in_flight", "push_bytes_in_flight_peak", "max_inflight_bytes", "updates_nonfinite", "data")
+    __slots__ = ("address", "shard_index", "num_shards", "state", "version", "num_variables", "bytes_held", "optimizer_state_bytes", "optimizer", "workers", "pushes_applied", "pushes_rejected", "pulls_served", "max_staleness", "job_fingerprint", "parts", "uptime_seconds", "placement_digest", "pushes_received", "consistency", "clock", "pushes_dropped", "pushes_scaled", "staleness_histogram", "pulls_waiting", "pull_wait_seconds", "workers_evicted", "lease_seconds", "last_checkpoint_id", "last_checkpoint_path", "checkpoint_dir", "push_bytes_in_flight", "push_bytes_in_flight_peak", "max_inflight_bytes", "updates_nonfinite", "data", "tables")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +491,7 @@ class StatusResponse(_message.Message):
     MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPDATES_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     address: str
     shard_index: int
     num_shards: int
@@ -453,7 +528,8 @@ class StatusResponse(_message.Message):
     max_inflight_bytes: int
     updates_nonfinite: int
     data: DataQueueStatus
-    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., push_bytes_in_flight: _Optional[int] = ..., push_bytes_in_flight_peak: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., updates_nonfinite: _Optional[int] = ..., data: _Optional[_Union[DataQueueStatus, _Mapping]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableStatus]
+    def __init__(self, address: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., num_variables: _Optional[int] = ..., bytes_held: _Optional[int] = ..., optimizer_state_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSettings, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., pulls_served: _Optional[int] = ..., max_staleness: _Optional[int] = ..., job_fingerprint: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[PartSpec, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., placement_digest: _Optional[str] = ..., pushes_received: _Optional[int] = ..., consistency: _Optional[_Union[ConsistencySettings, _Mapping]] = ..., clock: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., pushes_scaled: _Optional[int] = ..., staleness_histogram: _Optional[_Iterable[_Union[StalenessBucket, _Mapping]]] = ..., pulls_waiting: _Optional[int] = ..., pull_wait_seconds: _Optional[float] = ..., workers_evicted: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., last_checkpoint_id: _Optional[int] = ..., last_checkpoint_path: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., push_bytes_in_flight: _Optional[int] = ..., push_bytes_in_flight_peak: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., updates_nonfinite: _Optional[int] = ..., data: _Optional[_Union[DataQueueStatus, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[TableStatus, _Mapping]]] = ...) -> None: ...
 
 class DataPlan(_message.Message):
     __slots__ = ("examples", "task_size", "seed", "total")

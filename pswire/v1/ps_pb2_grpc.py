@@ -69,6 +69,11 @@ class ParameterServerStub:
                 request_serializer=pswire_dot_v1_dot_ps__pb2.PushPullRequest.SerializeToString,
                 response_deserializer=pswire_dot_v1_dot_ps__pb2.PushPullResponse.FromString,
                 _registered_method=True)
+        self.PullRows = channel.unary_unary(
+                '/pswire.v1.ParameterServer/PullRows',
+                request_serializer=pswire_dot_v1_dot_ps__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=pswire_dot_v1_dot_ps__pb2.PullRowsResponse.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/pswire.v1.ParameterServer/Leave',
                 request_serializer=pswire_dot_v1_dot_ps__pb2.LeaveRequest.SerializeToString,
@@ -154,6 +159,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullRows(self, request, context):
+        """Read rows of the job's embedding tables.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Leave the job cleanly: the worker stops counting for SSP/sync membership at once.
         """
@@ -232,6 +244,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushPull,
                     request_deserializer=pswire_dot_v1_dot_ps__pb2.PushPullRequest.FromString,
                     response_serializer=pswire_dot_v1_dot_ps__pb2.PushPullResponse.SerializeToString,
+            ),
+            'PullRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=pswire_dot_v1_dot_ps__pb2.PullRowsRequest.FromString,
+                    response_serializer=pswire_dot_v1_dot_ps__pb2.PullRowsResponse.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -453,6 +470,33 @@ class ParameterServer:
             '/pswire.v1.ParameterServer/PushPull',
             pswire_dot_v1_dot_ps__pb2.PushPullRequest.SerializeToString,
             pswire_dot_v1_dot_ps__pb2.PushPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pswire.v1.ParameterServer/PullRows',
+            pswire_dot_v1_dot_ps__pb2.PullRowsRequest.SerializeToString,
+            pswire_dot_v1_dot_ps__pb2.PullRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,8 @@ CONTRACT = {  # docs/metrics.md, the worker's families as the text parser names 
     "psworker_test_accuracy": ("gauge", set()),
     "psworker_retries": ("counter", set()),
     "psworker_rejoins": ("counter", set()),
+    "psworker_table_ids": ("counter", set()),
+    "psworker_table_rows": ("counter", set()),
 }
 
 

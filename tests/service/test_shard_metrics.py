@@ -71,6 +71,9 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "psserver_data_tasks": ("gauge", ("state",)),
     "psserver_data_examples": ("gauge", ("state",)),
     "psserver_data_tasks_requeued": ("counter", ()),
+    "psserver_table_rows": ("gauge", ("state",)),
+    "psserver_table_rows_pushed": ("counter", ()),
+    "psserver_table_rows_pulled": ("counter", ()),
 }
 """Every shard metric of the contract: its family name as the parser gives it (a counter's
 without ``_total``), type and labels (a histogram's ``le`` aside)."""

@@ -432,9 +432,9 @@ class _ObservedStore(ShardStore):
         self.pull_waiting.set()
         super().wait_ready(timeout, **kwargs)
 
-    def upload_parts(self, header_parts, *, initialize):
+    def upload_parts(self, header_parts, *, initialize, rows=False):
         self.upload_started.set()
-        return super().upload_parts(header_parts, initialize=initialize)
+        return super().upload_parts(header_parts, initialize=initialize, rows=rows)
 
     def wait_for_waiters(self, n: int, timeout: float) -> bool:
         with self._observed:

@@ -114,7 +114,7 @@ def test_the_endpoint_serves_the_contract_and_closes():
         "psworker_info": "gauge", "psworker_steps": "counter", "psworker_samples": "counter",
         "psworker_step_phase_seconds": "histogram", "psworker_loss": "gauge", "psworker_test_accuracy": "gauge",
         "psworker_retries": "counter", "psworker_rejoins": "counter", "psworker_data_tasks": "counter",
-        "psworker_data_wait_seconds": "counter",
+        "psworker_data_wait_seconds": "counter", "psworker_table_ids": "counter", "psworker_table_rows": "counter",
     }
     buckets = [s for s in families["psworker_step_phase_seconds"].samples if s.name.endswith("_bucket")]
     assert {s.labels["phase"] for s in buckets} == set(PHASES)

@@ -1,0 +1,184 @@
+"""Embedding tables that live only on the shards: what a table is (``TableSpec``), which shard
+holds which row (a pure function, like ``pswire.placement``), and the rows' initial values.
+
+Rows are split across the shards by hashing, as ps-lite and TensorFlow's ``fixed_size``
+partitioners of ids do: row ``i`` of a table lives on shard ``i % num_shards``, at local index
+``i // num_shards``. Modulo placement, not row ranges, because real ids are skewed (Zipf): the
+frequent ids are the small ones, and ranges would put all of them on shard 0.
+
+A row never written has its *initial value*, a pure function of (table, seed, row id, column)
+computed wherever it is needed (``initial_rows``): the shard computes a row the first time a
+pull or a push touches it, so nothing uploads a table at the start and a 10-million-row table
+costs no memory until its rows are used. The same function gives a local ``nn.Embedding`` the
+very values a sharded table starts from (``psworker.embedding``).
+
+The initializer is counter-based: each element is SplitMix64 of a 64-bit counter (the table's
+key, the row id and the column), so any subset of rows is computed in any order with the same
+result. ``normal``: Box-Muller of two such uniforms, times ``init_scale`` (the standard
+deviation); ``uniform``: in ``[-init_scale, init_scale)``; ``zeros``.
+
+This module imports numpy only.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from pswire.optim import OptimizerConfig
+
+__all__ = [
+    "INITIALIZERS", "MAX_TABLE_ROWS", "TableSpec", "check_ids", "initial_rows", "local_index", "local_rows",
+    "owner",
+]
+
+INITIALIZERS = ("normal", "uniform", "zeros")
+
+MAX_TABLE_ROWS = 1 << 40
+"""The most rows a table may have (ids travel as int64)."""
+
+MAX_TABLE_DIM = 1 << 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    """One embedding table of a job: ``num_rows`` rows of ``dim`` float32 values, their initial
+    values, and the optimizer the shards apply to its rows.
+
+    ``optimizer`` has ``torch.optim`` meanings, applied to the rows a push touches only (lazily):
+    ``sgd`` without momentum (momentum on rows would need every row's buffer decayed every step;
+    it is refused), ``adagrad`` as ``torch.optim.Adagrad`` does with sparse gradients, and
+    ``adam`` as ``torch.optim.SparseAdam`` (lazy Adam: moments of untouched rows do not decay).
+    Weight decay and AMSGrad are refused, as torch refuses them with sparse gradients.
+    """
+
+    name: str
+    num_rows: int
+    dim: int
+    optimizer: OptimizerConfig
+    init: str = "normal"
+    init_scale: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 256:
+            raise ValueError(f"a table needs a name of 1 to 256 characters, got {self.name!r}")
+        if not 1 <= self.num_rows <= MAX_TABLE_ROWS:
+            raise ValueError(f"table {self.name!r}: num_rows must be in [1, 2**40], got {self.num_rows}")
+        if not 1 <= self.dim <= MAX_TABLE_DIM:
+            raise ValueError(f"table {self.name!r}: dim must be in [1, 65536], got {self.dim}")
+        if self.init not in INITIALIZERS:
+            raise ValueError(f"table {self.name!r}: init must be one of {', '.join(INITIALIZERS)}, got {self.init!r}")
+        if not (np.isfinite(self.init_scale) and self.init_scale >= 0):
+            raise ValueError(f"table {self.name!r}: init_scale must be finite and >= 0, got {self.init_scale}")
+        if not 0 <= self.seed < 1 << 63:
+            raise ValueError(f"table {self.name!r}: seed must be in [0, 2**63), got {self.seed}")
+        opt = self.optimizer
+        if not isinstance(opt, OptimizerConfig):
+            raise ValueError(f"table {self.name!r}: optimizer must be an OptimizerConfig")
+        if opt.name == "sgd" and opt.momentum != 0:
+            raise ValueError(
+                f"table {self.name!r}: SGD momentum is not applied to table rows (every row's buffer would decay "
+                "every step); give the table an optimizer without momentum, e.g. OptimizerConfig(name='adagrad', "
+                "lr=...) or name='adam' (lazy Adam, as torch.optim.SparseAdam)"
+            )
+        if opt.weight_decay != 0:
+            raise ValueError(f"table {self.name!r}: weight decay is not applied to table rows (torch refuses it "
+                             "with sparse gradients too)")
+        if opt.name == "adam" and opt.amsgrad:
+            raise ValueError(f"table {self.name!r}: AMSGrad is not available for table rows (as in torch.optim.SparseAdam)")
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * self.dim
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+    def differences(self, other: "TableSpec") -> list[str]:
+        """Human-readable list of the settings in which ``other`` differs from this one."""
+        out = [f"{key}: job has {getattr(self, key)!r}, worker asked for {getattr(other, key)!r}"
+               for key in ("num_rows", "dim", "init", "init_scale", "seed")
+               if getattr(self, key) != getattr(other, key)]
+        out += [f"optimizer {d}" for d in self.optimizer.differences(other.optimizer)]
+        return out
+
+
+def owner(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard holding each row id."""
+    return ids % num_shards
+
+
+def local_index(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """Each row id's index among the rows its shard holds."""
+    return ids // num_shards
+
+
+def local_rows(num_rows: int, shard: int, num_shards: int) -> int:
+    """How many rows of a table of ``num_rows`` rows shard ``shard`` holds."""
+    return max(0, (num_rows - shard + num_shards - 1) // num_shards)
+
+
+def check_ids(spec: TableSpec, ids: np.ndarray, *, shard: int | None = None, num_shards: int = 1) -> None:
+    """Raise ``ValueError`` naming the first id of ``ids`` (int64) outside the table, or, with
+    ``shard``, the first one that another shard holds."""
+    if ids.size == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= spec.num_rows:
+        bad = low if low < 0 else high
+        raise ValueError(f"table {spec.name!r}: row id {bad} is outside the table's {spec.num_rows} rows")
+    if shard is not None and num_shards > 1:
+        wrong = ids % num_shards != shard
+        if wrong.any():
+            raise ValueError(f"table {spec.name!r}: row id {int(ids[np.argmax(wrong)])} lives on shard "
+                             f"{int(ids[np.argmax(wrong)]) % num_shards}, not on shard {shard} (row i lives on shard "
+                             f"i % {num_shards})")
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _uniform01(counters: np.ndarray) -> np.ndarray:
+    """A float64 in [0, 1) per counter: the top 53 bits of SplitMix64."""
+    return (_splitmix64(counters) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _key(spec: TableSpec) -> np.uint64:
+    # The table's name and seed pick its stream: two tables of one job start differently.
+    return np.uint64((zlib.crc32(spec.name.encode()) << 32 ^ spec.seed * 0x2545F4914F6CDD1D) & ((1 << 64) - 1))
+
+
+def initial_rows(spec: TableSpec, ids: np.ndarray, *, chunk_rows: int = 1 << 14) -> np.ndarray:
+    """The initial values of rows ``ids`` (int64, any order, repeats allowed): a float32 array
+    of shape ``(len(ids), dim)``, computed ``chunk_rows`` rows at a time."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    out = np.zeros((ids.size, spec.dim), dtype=np.float32)
+    if spec.init == "zeros" or spec.init_scale == 0 or ids.size == 0:
+        return out
+    key = _key(spec)
+    columns = np.arange(spec.dim, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for start in range(0, ids.size, chunk_rows):
+            rows = ids[start:start + chunk_rows].astype(np.uint64)
+            # Two counters per element (Box-Muller needs two uniforms); the key offsets them all.
+            base = (rows[:, None] * np.uint64(spec.dim) + columns[None, :]) * np.uint64(2) + key
+            if spec.init == "uniform":
+                values = (2.0 * _uniform01(base) - 1.0) * spec.init_scale
+            else:
+                u1, u2 = _uniform01(base), _uniform01(base + np.uint64(1))
+                values = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2) * spec.init_scale
+            out[start:start + rows.size] = values
+    return out

@@ -1,0 +1,221 @@
+"""``ShardedEmbedding``: an ``nn.Embedding`` whose table lives only on the shards.
+
+A worker never allocates the table. Each forward pulls just the rows the batch's ids touch,
+deduplicated, from every shard at once (row ``i`` lives on shard ``i % num_shards``:
+``pswire.tables``); backward gives those rows' gradients, and the session's ``optimizer.step()``
+pushes them with the dense gradients of the same step, in the same atomic push per shard. The
+shards apply the table's own row-wise optimizer (``TableSpec.optimizer``: SGD, Adagrad, or lazy
+Adam as ``torch.optim.SparseAdam``).
+
+Use it as a module of the model handed to ``session.prepare`` (or of a ``--task``'s model)::
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = psworker.ShardedEmbedding(10_000_000, 64, optimizer=OptimizerConfig(name="adagrad", lr=0.05))
+            self.top = nn.Linear(64, 1)
+
+A table's name is the module's path in the model (``emb`` above) unless given. Its rows start
+at ``initial_rows(spec, ids)`` (``pswire.tables``), computed on the shards when first touched;
+:func:`localize` turns the model into a local one with ``nn.Embedding(sparse=True)`` tables that
+start from the very same values (the ``--local`` baseline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from pswire.optim import OptimizerConfig
+from pswire.tables import TableSpec, initial_rows
+
+__all__ = ["ShardedEmbedding", "localize", "sharded_embeddings"]
+
+
+class ShardedEmbedding(nn.Module):
+    """Stands in for ``nn.Embedding(num_embeddings, embedding_dim)`` (float32); the table is on
+    the shards.
+
+    ``init`` / ``init_scale`` / ``seed``: the rows' initial values (``pswire.tables``: normal with
+    standard deviation ``init_scale`` by default). ``optimizer``: the table's update rule on the
+    shards; ``None`` takes the job's (SGD without momentum, Adagrad, or Adam, which tables run
+    lazily as ``SparseAdam`` does). ``name``: the table's name in the job (default: the module's
+    path in the model given to ``session.prepare``).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init: str = "normal",
+        init_scale: float = 0.01,
+        seed: int = 0,
+        optimizer: OptimizerConfig | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.init = init
+        self.init_scale = float(init_scale)
+        self.seed = int(seed)
+        self.optimizer = optimizer
+        self.name = name
+        # Checked now, with a stand-in optimizer, so that a bad size or initializer fails where
+        # the module is built.
+        self.spec_for(OptimizerConfig(name="adagrad", lr=1.0), name or "table")
+        self._tables = None
+        """The session's ``psworker.rows.Tables`` once prepared: pulls rows and keeps this step's."""
+
+    def spec_for(self, job_optimizer: OptimizerConfig, name: str) -> TableSpec:
+        """This table's spec in a job whose dense optimizer is ``job_optimizer`` (raises
+        ``ValueError`` for settings tables refuse)."""
+        optimizer = self.optimizer or job_optimizer
+        if self.optimizer is None and optimizer.name == "sgd" and optimizer.momentum != 0:
+            raise ValueError(
+                f"table {self.name or name!r}: the job's SGD has momentum {optimizer.momentum}, which is not applied "
+                "to table rows; give the table its own optimizer: ShardedEmbedding(..., optimizer="
+                "OptimizerConfig(name='sgd', lr=...)) or name='adagrad'"
+            )
+        if self.optimizer is None and optimizer.weight_decay != 0:
+            raise ValueError(
+                f"table {self.name or name!r}: the job's optimizer has weight decay, which is not applied to table "
+                "rows; give the table its own optimizer (ShardedEmbedding(..., optimizer=...))"
+            )
+        if self.optimizer is None and optimizer.amsgrad:
+            raise ValueError(f"table {self.name or name!r}: AMSGrad is not available for table rows; give the table "
+                             "its own optimizer (ShardedEmbedding(..., optimizer=...))")
+        return TableSpec(name=self.name or name, num_rows=self.num_embeddings, dim=self.embedding_dim,
+                         optimizer=optimizer, init=self.init, init_scale=self.init_scale, seed=self.seed)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, sharded"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._tables is None:
+            raise RuntimeError(
+                "this ShardedEmbedding's table lives on the shards: hand its model to session.prepare first "
+                "(or train locally with psworker.embedding.localize(model))"
+            )
+        return self._tables.lookup(self, ids)
+
+
+def sharded_embeddings(model: nn.Module) -> Iterator[tuple[str, ShardedEmbedding]]:
+    """``(path in the model, module)`` of every ``ShardedEmbedding`` in ``model``."""
+    for path, module in model.named_modules():
+        if isinstance(module, ShardedEmbedding):
+            yield path, module
+
+
+def local_table(module: ShardedEmbedding, name: str, *, chunk_rows: int = 1 << 16) -> nn.Embedding:
+    """An ``nn.Embedding(sparse=True)`` holding the initial values of ``module``'s table, named
+    ``name`` unless the module has a name (the name picks the initial values' stream)."""
+    spec = module.spec_for(OptimizerConfig(name="adagrad", lr=1.0), module.name or name)
+    local = nn.Embedding(module.num_embeddings, module.embedding_dim, sparse=True)
+    with torch.no_grad():
+        for start in range(0, module.num_embeddings, chunk_rows):
+            ids = np.arange(start, min(start + chunk_rows, module.num_embeddings), dtype=np.int64)
+            local.weight[start:start + ids.size] = torch.from_numpy(initial_rows(spec, ids))
+    return local
+
+
+def localize(model: nn.Module) -> nn.Module:
+    """Replace, in place, every ``ShardedEmbedding`` of ``model`` by a local
+    ``nn.Embedding(sparse=True)`` with the same initial rows; returns ``model``. Local training
+    then needs an optimizer that takes sparse gradients for those (``torch.optim.Adagrad``,
+    ``SparseAdam``, or ``SGD`` without momentum)."""
+    for path, module in list(sharded_embeddings(model)):
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        if not path:
+            raise ValueError("the model itself is a ShardedEmbedding: wrap it in a module")
+        setattr(parent, attr, local_table(module, path))
+    return model
+
+
+class TableRows:
+    """A session's side of its tables: each lookup pulls the batch's distinct rows (from every
+    shard at once) into a leaf tensor whose gradient, after backward, is those rows' gradient;
+    :meth:`gradients` hands the step's rows to the push, :meth:`clear` forgets them.
+
+    A lookup made while autograd records (a training step) waits on the ssp/sync bound as a pull
+    does; one under ``torch.no_grad()`` or in eval mode (an evaluation) reads at once and is not
+    pushed.
+    """
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self._lookups: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
+        self.rows_looked_up = 0
+        """Ids looked up for training, repeats included (the unique ratio's denominator)."""
+        self.rows_unique = 0
+        """Distinct rows those lookups pulled."""
+
+    def lookup(self, module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ShardedEmbedding ids must be int64 or int32, got {ids.dtype}")
+        name = module.name
+        flat = ids.reshape(-1).to("cpu", torch.int64)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= module.num_embeddings):
+            bad = int(unique[0]) if int(unique[0]) < 0 else int(unique[-1])
+            raise IndexError(f"table {name!r}: id {bad} is out of range for {module.num_embeddings} rows")
+        training = module.training and torch.is_grad_enabled()
+        values = self.client.pull_rows({name: unique.numpy()}, wait=training)[name]
+        rows = torch.from_numpy(values).to(ids.device)
+        if training:
+            rows.requires_grad_(True)
+            self._lookups.setdefault(name, []).append((unique.numpy(), rows))
+            self.rows_looked_up += flat.numel()
+            self.rows_unique += unique.numel()
+        return rows[inverse.to(rows.device)].reshape(*ids.shape, module.embedding_dim)
+
+    def gradients(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Table -> ``(ids, gradients)`` of this step's lookups, each id once (the gradients of
+        an id looked up twice summed): what the push carries. A table looked up without any
+        gradient reaching it is left out."""
+        out = {}
+        for name, lookups in self._lookups.items():
+            blocks = [(ids, rows.grad.detach().to("cpu").numpy()) for ids, rows in lookups if rows.grad is not None]
+            if not blocks:
+                continue
+            if len(blocks) == 1:
+                out[name] = blocks[0]
+                continue
+            ids = np.concatenate([b[0] for b in blocks])
+            grads = np.concatenate([b[1] for b in blocks])
+            unique, inverse = np.unique(ids, return_inverse=True)
+            sums = np.zeros((unique.size, grads.shape[1]), dtype=np.float32)
+            np.add.at(sums, inverse, grads)
+            out[name] = (unique, sums)
+        return out
+
+    def clear(self) -> None:
+        self._lookups.clear()
+
+
+def attach(model: nn.Module, client, job_optimizer: OptimizerConfig) -> tuple[list[TableSpec], TableRows | None]:
+    """Name each ``ShardedEmbedding`` of ``model`` (its path unless named), build its spec, and
+    route its lookups through one ``TableRows`` of ``client``. Returns the specs (in the model's
+    order) and the ``TableRows`` (None without tables). Raises ``ValueError`` for two tables of
+    one name or settings tables refuse."""
+    found = list(sharded_embeddings(model))
+    if not found:
+        return [], None
+    rows = TableRows(client)
+    specs, names = [], set()
+    for path, module in found:
+        if not path:
+            raise ValueError("the model itself is a ShardedEmbedding: wrap it in a module")
+        spec = module.spec_for(job_optimizer, module.name or path)
+        if spec.name in names:
+            raise ValueError(f"two ShardedEmbedding modules are both named {spec.name!r}")
+        names.add(spec.name)
+        module.name = spec.name
+        module._tables = rows
+        specs.append(spec)
+    return specs, rows

@@ -1,0 +1,195 @@
+"""Embedding tables on real shards: one sync worker matches local ``nn.Embedding(sparse=True)``
+training to rounding, rows are placed and read as documented, bad row traffic is refused with
+the state unchanged, and status shows the tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import psworker
+from pswire import errors
+from pswire.consistency import Consistency
+from pswire.optim import OptimizerConfig
+from pswire.tables import initial_rows
+from pswire.v1 import ps_pb2
+from pswire.wire import rows_to_proto
+from psworker.client import ClientOptions, PSClient
+from psworker.embedding import ShardedEmbedding, localize
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROWS, DIM, FEATURES = 3000, 8, 3
+
+
+class _Model(nn.Module):
+    def __init__(self, optimizer: OptimizerConfig | None = None) -> None:
+        super().__init__()
+        self.emb = ShardedEmbedding(ROWS, DIM, init_scale=0.1, seed=7, optimizer=optimizer)
+        self.top = nn.Linear(DIM * FEATURES, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.top(self.emb(ids).flatten(1))
+
+
+def _batches(steps: int, batch: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    # Skewed ids with repeats inside a batch: the rows a step touches repeat, as real ones do.
+    ranks = (torch.rand(steps, batch, FEATURES, generator=g) ** 3 * ROWS).long()
+    targets = torch.randn(steps, batch, 1, generator=g)
+    return list(zip(ranks, targets))
+
+
+def _local_run(table_opt: str, steps: int) -> tuple[list[float], torch.Tensor, dict]:
+    torch.manual_seed(0)
+    model = localize(_Model())
+    sparse = [model.emb.weight]
+    dense = [p for n, p in model.named_parameters() if n != "emb.weight"]
+    if table_opt == "adagrad":
+        opts = [torch.optim.Adagrad(sparse, lr=0.05, eps=1e-10), torch.optim.Adagrad(dense, lr=0.05, eps=1e-10)]
+    else:
+        opts = [torch.optim.SparseAdam(sparse, lr=0.01), torch.optim.Adam(dense, lr=0.01)]
+    losses = []
+    for ids, y in _batches(steps):
+        for o in opts:
+            o.zero_grad()
+        loss = nn.functional.mse_loss(model(ids), y)
+        loss.backward()
+        for o in opts:
+            o.step()
+        losses.append(loss.item())
+    return losses, model.emb.weight.detach().clone(), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sharded_run(address: str, table_opt: str, steps: int) -> tuple[list[float], torch.Tensor, dict, list]:
+    torch.manual_seed(0)
+    if table_opt == "adagrad":
+        job_opt = OptimizerConfig(name="adagrad", lr=0.05, eps=1e-10)
+        model = _Model()
+    else:
+        job_opt = OptimizerConfig(name="adam", lr=0.01)
+        model = _Model(OptimizerConfig(name="adam", lr=0.01))
+    session = psworker.connect(address, worker_name="w0", options=ClientOptions(timeout=30))
+    try:
+        model, optimizer = session.prepare(model, job_opt, consistency=Consistency(mode="sync"))
+        losses = []
+        for ids, y in _batches(steps):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(ids), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        table = session.client.pull_rows({"emb": np.arange(ROWS)}, wait=False)["emb"]
+        statuses = session.status()
+    finally:
+        session.close()
+    return losses, torch.from_numpy(table), {n: p.detach().clone() for n, p in model.named_parameters()}, statuses
+
+
+@pytest.mark.parametrize("table_opt", ["adagrad", "sparse_adam"])
+def test_one_sync_worker_matches_local_sparse_training(shards, table_opt):
+    a, b = shards(2)
+    steps = 200
+    local_losses, local_table, local_params = _local_run(table_opt, steps)
+    losses, table, params, statuses = _sharded_run(f"{a.address},{b.address}", table_opt, steps)
+    assert len(losses) == steps
+    np.testing.assert_allclose(losses, local_losses, rtol=1e-5, atol=1e-7)
+    # Rounding: torch sums a row's repeated ids in a different order than the worker's lookup
+    # (index backward), so over 200 steps a few elements drift by a few float32 ulps of the
+    # larger values they were updated with.
+    torch.testing.assert_close(table, local_table, rtol=1e-4, atol=1e-5)
+    for name, value in params.items():
+        torch.testing.assert_close(value, local_params[name], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(table, torch.from_numpy(initial_rows(
+        ShardedEmbedding(ROWS, DIM, init_scale=0.1, seed=7).spec_for(OptimizerConfig(), "emb"), np.arange(ROWS))))
+    # Rows are split by id modulo the shard count, and every shard counted every step.
+    for index, status in enumerate(statuses):
+        (t,) = status.tables
+        assert t.spec.name == "emb" and t.rows_held == len(range(index, ROWS, 2))
+        assert t.step == steps and 0 < t.rows_written <= t.rows_held
+
+
+def test_rows_start_at_their_initial_values_and_bad_row_traffic_is_refused(shards):
+    a, b = shards(2)
+    ps = f"{a.address},{b.address}"
+    torch.manual_seed(0)
+    session = psworker.connect(ps, worker_name="w0", options=ClientOptions(timeout=30))
+    try:
+        model, optimizer = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+        spec = session.client.tables["emb"]
+        ids = np.array([0, 1, 2, 2999, 1500])
+        before = session.client.pull_rows({"emb": ids}, wait=False)["emb"]
+        np.testing.assert_array_equal(before, initial_rows(spec, ids))
+
+        shard0 = session.client._require_sessions()[0]
+        client = shard0.client
+
+        def push(block: ps_pb2.RowBlock, **header) -> None:
+            shard0.sequence += 1
+            h = ps_pb2.TensorHeader(worker_id=shard0.worker_id, generation=shard0.generation, session=shard0.secret,
+                                    sequence=shard0.sequence, base_version=shard0.version, clock=shard0.clock,
+                                    base_clock=shard0.base_clock, rows=[block], **header)
+            client.push(h, [])
+
+        cases = [
+            (rows_to_proto("emb", np.array([1]), np.zeros((1, DIM))), "lives on shard 1"),
+            (rows_to_proto("emb", np.array([3000]), np.zeros((1, DIM))), "outside the table"),
+            (rows_to_proto("emb", np.array([-2]), np.zeros((1, DIM))), "outside the table"),
+            (rows_to_proto("emb", np.array([2, 2]), np.zeros((2, DIM))), "given twice"),
+            (rows_to_proto("nope", np.array([2]), np.zeros((1, DIM))), "unknown table"),
+            (ps_pb2.RowBlock(table="emb", ids=b"\x00" * 8, values=b"\x00" * 4), "bytes of values"),
+            (ps_pb2.RowBlock(table="emb", ids=b"\x00" * 7), "not a whole number"),
+            (rows_to_proto("emb", np.array([2]), np.full((1, DIM), np.nan)), "NaN"),
+        ]
+        for block, message in cases:
+            with pytest.raises(errors.InvalidArgumentError, match=message):
+                push(block)
+        with pytest.raises(errors.InvalidArgumentError, match="outside the table"):
+            session.client.pull_rows({"emb": np.array([5000])}, wait=False)
+        with pytest.raises(ValueError, match="unknown table"):
+            session.client.pull_rows({"other": np.array([1])}, wait=False)
+        after = session.client.pull_rows({"emb": ids}, wait=False)["emb"]
+        np.testing.assert_array_equal(after, before)  # nothing refused changed a row
+        statuses = session.status()
+        assert all(t.rows_written == 0 and t.step == 0 for s in statuses for t in s.tables)
+
+        # A good step still trains: only the rows it touched change.
+        out = model(torch.tensor([[0, 2, 4]]))
+        out.sum().backward()
+        optimizer.step()
+        changed = session.client.pull_rows({"emb": np.arange(6)}, wait=False)["emb"]
+        fresh = initial_rows(spec, np.arange(6))
+        assert [not np.array_equal(changed[i], fresh[i]) for i in range(6)] == [True, False, True, False, True, False]
+    finally:
+        session.close()
+
+
+def test_a_worker_with_other_tables_is_refused(shards):
+    (a,) = shards(1)
+    torch.manual_seed(0)
+    first = psworker.connect(a.address, worker_name="w0", options=ClientOptions(timeout=30))
+    second = psworker.connect(a.address, worker_name="w1", options=ClientOptions(timeout=30))
+    try:
+        first.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+        other = _Model()
+        other.emb = ShardedEmbedding(ROWS + 1, DIM, init_scale=0.1, seed=7)
+        with pytest.raises(errors.PreconditionError, match="num_rows: job has 3000, worker asked for 3001"):
+            second.prepare(other, OptimizerConfig(name="adagrad", lr=0.05))
+    finally:
+        second.client.close()
+        first.close()
+
+
+def test_psclient_reads_rows_as_a_reader(shards):
+    (a,) = shards(1)
+    torch.manual_seed(0)
+    session = psworker.connect(a.address, worker_name="w0", options=ClientOptions(timeout=30))
+    try:
+        session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+        with PSClient(a.address, ClientOptions(timeout=10)) as reader:
+            (status,) = reader.status()
+            assert [t.spec.name for t in status.tables] == ["emb"]
+    finally:
+        session.close()
