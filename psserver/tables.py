@@ -1,9 +1,11 @@
 """A shard's rows of the job's embedding tables (``pswire.tables``): row ``i`` of a table lives on
 shard ``i % num_shards`` at local index ``i // num_shards``.
 
-A table's values and optimizer state are preallocated with ``np.zeros``, which the kernel backs
-with untouched zero pages: a row costs memory only once it is written, so a 10-million-row table
-of which a job touches a tenth is resident at a tenth. A row never written holds its initial
+A table's values and optimizer state are anonymous memory maps (``_zero_pages``), which the
+kernel backs with shared zero pages until written: a row costs memory only once it is written,
+a 4 KiB page (16 rows of 64 float32) at a time. Not ``np.zeros``: numpy advises the kernel to
+back large arrays with 2 MiB transparent huge pages, and a row written in each would make the
+whole table resident at once (a 10-million-row table of skewed ids: all of it within seconds). A row never written holds its initial
 value (``pswire.tables.initial_rows``), which reads compute rather than store, so pulls never
 change the table. ``written`` marks the rows a push has updated.
 
@@ -16,6 +18,7 @@ Plain data without a lock: ``ShardStore._lock`` guards every table.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,8 +62,8 @@ class RowTable:
         self.rule = create_row_rule(self.spec.optimizer)
         self.rows = local_rows(self.spec.num_rows, self.shard, self.num_shards)
         shape = (self.rows, self.spec.dim)
-        self.values = np.zeros(shape, dtype=np.float32)
-        self.state = {name: np.zeros(shape, dtype=np.float32) for name in self.rule.state_names}
+        self.values = _zero_pages(shape)
+        self.state = {name: _zero_pages(shape) for name in self.rule.state_names}
         self.written = np.zeros(self.rows, dtype=bool)
 
     @property
@@ -179,6 +182,15 @@ class RowTable:
             self.state[name][index] = piece[f"state/{name}"]
         self.written[index] = True
         self.rows_written += ids.size
+
+
+def _zero_pages(shape: tuple[int, int]) -> np.ndarray:
+    """A float32 array of zeros in an anonymous map advised against huge pages (see above)."""
+    nbytes = max(4, shape[0] * shape[1] * 4)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype=np.float32, count=shape[0] * shape[1]).reshape(shape)
 
 
 def coalesce(blocks: list[tuple[np.ndarray, np.ndarray]], dim: int) -> tuple[np.ndarray, np.ndarray]:

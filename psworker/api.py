@@ -166,6 +166,8 @@ class Session:
         """Register again after being fenced off (evicted, or superseded), then pull the job's
         current weights. Raises like :meth:`prepare`."""
         started = time.monotonic()
+        if self.tables is not None:
+            self.tables.clear()  # this step's rows go with its dropped gradient
         self._register()
         self.left = False
         self.pull()
@@ -333,7 +335,7 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.session.tables is not None:
-            self.session.tables.clear()
+            self.session.tables.zero_grad(set_to_none)
         for param in self.session._params.values():
             if param.grad is None:
                 continue

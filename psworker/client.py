@@ -429,13 +429,14 @@ class PSClient(AdminClient):
         return out
 
     def pull_rows(
-        self, requests: Mapping[str, np.ndarray], *, wait: bool = True
+        self, requests: Mapping[str, np.ndarray], *, wait: bool = True, as_reader: bool = False
     ) -> dict[str, np.ndarray]:
         """Rows of the job's tables: table -> int64 ``ids`` (each once) in, table -> float32
         ``(len(ids), dim)`` values out, from every shard at once. In ssp/sync a training read
-        waits on the bound as :meth:`pull` does (``wait=False`` reads at once)."""
+        waits on the bound as :meth:`pull` does (``wait=False`` reads at once). ``as_reader``:
+        read without this worker's registration (one the shards fenced off, say)."""
         sessions = self._require_sessions()
-        may_wait = wait and self.consistency.mode is not Mode.ASYNC
+        may_wait = wait and not as_reader and self.consistency.mode is not Mode.ASYNC
         n = self.num_shards
         plan = []
         for table, ids in requests.items():
@@ -451,9 +452,10 @@ class PSClient(AdminClient):
             if not any(b.ids for b in blocks):
                 return None
             nbytes = sum(len(b.ids) // 8 * spec.row_bytes for b, (_, spec, _, _) in zip(blocks, plan))
-            request = ps_pb2.PullRowsRequest(worker_id=session.worker_id, generation=session.generation,
-                                             session=session.secret, clock=session.clock if may_wait else -1,
-                                             rows=blocks)
+            request = ps_pb2.PullRowsRequest(rows=blocks, clock=session.clock if may_wait else -1)
+            if not as_reader:
+                request.worker_id, request.generation, request.session = (session.worker_id, session.generation,
+                                                                           session.secret)
             return retrying(lambda: session.client.pull_rows(request, nbytes, may_wait=may_wait), self.options,
                             session.client.address, "pull rows")
 

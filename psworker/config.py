@@ -27,7 +27,10 @@ def _f(default, help: str, **kw):
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     ps: str = _f("", "Shard addresses, HOST:PORT[,HOST:PORT...], in the same order on every worker.")
-    task: str = _f("mnist1d-mlp", "Built-in task (mnist1d-mlp, mnist1d-cnn, linreg) or package.module:function.")
+    task: str = _f("mnist1d-mlp", "Built-in task (mnist1d-mlp, mnist1d-cnn, linreg, dlrm-synth: embedding tables "
+                   "on the shards) or package.module:function.")
+    task_options: str = _f("", "Options of the task, KEY=VALUE[,KEY=VALUE...] (dlrm-synth: rows, dim, features, "
+                           "examples, zipf, ...).")
     local: bool = _f(False, "Train in this process with no server (the baseline).", flag=True)
     mode: str = _f("async", "Consistency: async (nobody waits), ssp (bounded staleness) or sync.",
                    choices=("async", "ssp", "sync"))
@@ -112,6 +115,7 @@ class WorkerConfig:
         ))
         if not self.local and not self.ps:
             raise ValueError("give --ps HOST:PORT[,HOST:PORT...] (or --local to train without a server)")
+        self.task_option_map()  # validates the syntax
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.epochs is not None and self.epochs <= 0:
@@ -162,6 +166,23 @@ class WorkerConfig:
             mode=self.mode, staleness=self.staleness, backup_workers=self.backup_workers,
             stale_policy=self.stale_policy,
         )
+
+    def task_option_map(self) -> dict[str, str]:
+        """``task_options`` as a dict (``"rows=1000,dim=8"``: ``{"rows": "1000", "dim": "8"}``;
+        spaces around keys and values are dropped). Raises ``ValueError`` for an item without
+        ``=``, an empty key, or a key given twice."""
+        options: dict[str, str] = {}
+        for item in self.task_options.split(","):
+            if not item.strip():
+                continue
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or not key:
+                raise ValueError(f"--task-options: {item.strip()!r} is not KEY=VALUE")
+            if key in options:
+                raise ValueError(f"--task-options: {key!r} is given twice")
+            options[key] = value.strip()
+        return options
 
     @property
     def dynamic(self) -> bool:

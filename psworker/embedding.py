@@ -23,16 +23,20 @@ start from the very same values (the ``--local`` baseline).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
+from pswire import errors
 from pswire.optim import OptimizerConfig
 from pswire.tables import TableSpec, initial_rows
 
-__all__ = ["ShardedEmbedding", "localize", "sharded_embeddings"]
+__all__ = ["ShardedEmbedding", "TableRows", "attach", "localize", "sharded_embeddings"]
+
+log = logging.getLogger(__name__)
 
 
 class ShardedEmbedding(nn.Module):
@@ -165,7 +169,15 @@ class TableRows:
             bad = int(unique[0]) if int(unique[0]) < 0 else int(unique[-1])
             raise IndexError(f"table {name!r}: id {bad} is out of range for {module.num_embeddings} rows")
         training = module.training and torch.is_grad_enabled()
-        values = self.client.pull_rows({name: unique.numpy()}, wait=training)[name]
+        try:
+            values = self.client.pull_rows({name: unique.numpy()}, wait=training)[name]
+        except errors.FencedError as exc:
+            # The shards fenced this worker off (evicted, or a shard restored): the step goes on
+            # with the rows read as a reader, and its push is dropped by ``optimizer.step()``,
+            # which registers again (as when a heartbeat is refused).
+            log.warning("%s; this step's rows are read without the registration, its push dropped", exc)
+            self.client.fenced.set()
+            values = self.client.pull_rows({name: unique.numpy()}, wait=False, as_reader=True)[name]
         rows = torch.from_numpy(values).to(ids.device)
         if training:
             rows.requires_grad_(True)
@@ -194,7 +206,19 @@ class TableRows:
             out[name] = (unique, sums)
         return out
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``: the looked-up rows' gradients go, the lookups stay (a loop
+        may zero the gradients between its forward and its backward)."""
+        for lookups in self._lookups.values():
+            for _, rows in lookups:
+                if rows.grad is not None:
+                    if set_to_none:
+                        rows.grad = None
+                    else:
+                        rows.grad.zero_()
+
     def clear(self) -> None:
+        """Forget this step's lookups (once pushed)."""
         self._lookups.clear()
 
 

@@ -2,7 +2,9 @@
 
 A task is a model with freshly initialised weights, a training split, a loss function and an
 optional test split. Built-in tasks are named (``BUILTIN_TASKS``); user tasks are named
-``"package.module:function"`` where ``function(seed=...)`` returns a :class:`Task`.
+``"package.module:function"`` where ``function(seed=...)`` returns a :class:`Task`. A task may
+take options, strings passed to its function as keyword arguments (``load_task(...,
+options={"rows": "100000"})``, the worker's ``--task-options rows=100000``).
 
 Example::
 
@@ -20,7 +22,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +31,7 @@ from torch import nn
 
 __all__ = ["BUILTIN_TASKS", "Task", "TaskDefaults", "evaluate", "linreg_optimum", "load_task"]
 
-BUILTIN_TASKS: tuple[str, ...] = ("mnist1d-mlp", "mnist1d-cnn", "linreg")
+BUILTIN_TASKS: tuple[str, ...] = ("mnist1d-mlp", "mnist1d-cnn", "linreg", "dlrm-synth")
 
 _OPTIMIZERS = ("sgd", "adam", "adagrad")
 
@@ -95,6 +97,12 @@ class Task:
     defaults: TaskDefaults = field(
         default_factory=lambda: TaskDefaults(optimizer="sgd", lr=0.01, batch_size=64, steps=1000))
     """Recommended settings; generic ones unless the task knows better."""
+    metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None = None
+    """Optional extra metrics over the whole test split: (all outputs, all targets) -> a dict
+    (e.g. ``{"test_auc": ...}``) that :func:`evaluate` merges into its result."""
+    reference: dict[str, float] = field(default_factory=dict)
+    """Known best values (e.g. ``{"teacher_auc": ...}``), included in :func:`evaluate`'s result
+    so that a run's numbers show next to them."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -109,6 +117,11 @@ class Task:
             _check_split(f"task {self.name!r}: test", self.test)
         if not isinstance(self.defaults, TaskDefaults):
             raise ValueError(f"task {self.name!r}: defaults must be a TaskDefaults")
+        if self.metrics is not None and not callable(self.metrics):
+            raise ValueError(f"task {self.name!r}: metrics must be callable or None")
+        if not (isinstance(self.reference, dict)
+                and all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.reference.items())):
+            raise ValueError(f"task {self.name!r}: reference must be a dict of names to numbers")
 
 
 @contextlib.contextmanager
@@ -219,8 +232,40 @@ def _linreg(seed: int) -> Task:
                 loss_fn=nn.functional.mse_loss, classification=False, defaults=defaults)
 
 
-_BUILTIN_FACTORIES: dict[str, Callable[..., Task]] = {
-    "mnist1d-mlp": _mnist1d_mlp, "mnist1d-cnn": _mnist1d_cnn, "linreg": _linreg}
+# A factory named "module:function" is imported when first loaded (dlrm-synth needs
+# psworker.embedding, which the other tasks do not).
+_BUILTIN_FACTORIES: dict[str, Callable[..., Task] | str] = {
+    "mnist1d-mlp": _mnist1d_mlp, "mnist1d-cnn": _mnist1d_cnn, "linreg": _linreg,
+    "dlrm-synth": "psworker.dlrm:dlrm_synth"}
+
+
+def _builtin(spec: str) -> Callable[..., Task]:
+    factory = _BUILTIN_FACTORIES[spec]
+    if isinstance(factory, str):
+        module_name, _, func_name = factory.partition(":")
+        factory = getattr(importlib.import_module(module_name), func_name)
+    return factory
+
+
+def _check_options(spec: str, func: Callable[..., object], options: dict[str, str]) -> None:
+    """Raise ValueError naming the first option ``func`` does not take."""
+    for key, value in options.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"task {spec!r}: options must map strings to strings, got {key!r}: {value!r}")
+    if "seed" in options:
+        raise ValueError(f"task {spec!r}: 'seed' is not an option (it is load_task's seed=)")
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return  # no introspectable signature: let the call decide
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    known = [p.name for p in parameters if p.name != "seed"
+             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    for key in options:
+        if key not in known:
+            takes = f"its options are {', '.join(known)}" if known else "it takes no options"
+            raise ValueError(f"task {spec!r} has no option {key!r} ({takes})")
 
 
 def _resolve(spec: str) -> Callable[..., object]:
@@ -250,25 +295,31 @@ def _resolve(spec: str) -> Callable[..., object]:
     return func
 
 
-def load_task(spec: str, *, seed: int = 0) -> Task:
+def load_task(spec: str, *, seed: int = 0, options: Mapping[str, str] | None = None) -> Task:
     """Build the task named by ``spec``, with model weights initialised from ``seed``.
 
     ``spec`` is a name in ``BUILTIN_TASKS`` or ``"package.module:function"``; the function is
-    called as ``function(seed=seed)`` and must return a :class:`Task`. The global torch RNG is
-    seeded with ``seed`` during the call and restored afterwards, so user tasks that simply
-    build their model get deterministic weights and the caller's RNG is unaffected.
+    called as ``function(seed=seed, **options)`` and must return a :class:`Task`. ``options``
+    are the task's own settings, as strings (for ``dlrm-synth``: ``rows``, ``dim``, ...); the
+    function converts them. The global torch RNG is seeded with ``seed`` during the call and
+    restored afterwards, so user tasks that simply build their model get deterministic weights
+    and the caller's RNG is unaffected.
 
     Raises ValueError if the name is unknown, the syntax is bad, the module cannot be imported,
-    the function does not exist or takes no ``seed=``, or it returns something other than a
-    Task. Exceptions raised inside the user's function (including a Task's own ValueError
-    from validation) propagate unchanged.
+    the function does not exist or takes no ``seed=``, an option is one the function does not
+    take (every option, for built-in tasks without options), or it returns something other
+    than a Task. Exceptions raised inside the user's function (including a Task's own
+    ValueError from validation, and a built-in task's ValueError for a bad option value)
+    propagate unchanged.
     """
-    factory = _BUILTIN_FACTORIES[spec] if spec in _BUILTIN_FACTORIES else _resolve(spec)
+    factory = _builtin(spec) if spec in _BUILTIN_FACTORIES else _resolve(spec)
+    options = dict(options or {})
+    _check_options(spec, factory, options)
     # Only the CPU generator is forked and seeded: models are built on the CPU, and touching
     # CUDA RNGs would initialise CUDA (and torch.manual_seed would leak into them unrestored).
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
-        task = factory(seed=seed)
+        task = factory(seed=seed, **options)
     if not isinstance(task, Task):
         raise ValueError(f"task {spec!r}: function returned {type(task).__name__}, not a Task")
     return task
@@ -277,8 +328,9 @@ def load_task(spec: str, *, seed: int = 0) -> Task:
 def evaluate(model: nn.Module, task: Task, *, batch_size: int = 1000) -> dict[str, float]:
     """Mean loss (and accuracy, for classification tasks) of ``model`` on ``task.test``.
 
-    Returns ``{"test_loss": ..., "test_accuracy": ...}`` (no accuracy for regression), or
-    ``{}`` if the task has no test split. Runs in eval mode without gradients, on the device of
+    Returns ``{"test_loss": ..., "test_accuracy": ...}`` (no accuracy for regression), then
+    what ``task.metrics`` makes of all the test outputs and targets, and ``task.reference``;
+    or ``{}`` if the task has no test split. Runs in eval mode without gradients, on the device of
     the model's parameters, and restores the model's previous mode. Raises ValueError if
     ``batch_size`` < 1.
     """
@@ -292,6 +344,7 @@ def evaluate(model: nn.Module, task: Task, *, batch_size: int = 1000) -> dict[st
     was_training = model.training
     model.eval()
     loss_sum, correct = 0.0, 0
+    outputs: list[torch.Tensor] = []  # kept only for task.metrics
     try:
         with torch.no_grad():
             for start in range(0, inputs.shape[0], batch_size):
@@ -302,9 +355,14 @@ def evaluate(model: nn.Module, task: Task, *, batch_size: int = 1000) -> dict[st
                 loss_sum += float(task.loss_fn(out, y)) * x.shape[0]
                 if task.classification:
                     correct += int((out.argmax(dim=-1) == y).sum())
+                if task.metrics is not None:
+                    outputs.append(out.detach().cpu())
     finally:
         model.train(was_training)
     result = {"test_loss": loss_sum / inputs.shape[0]}
     if task.classification:
         result["test_accuracy"] = correct / inputs.shape[0]
+    if task.metrics is not None:
+        result.update(task.metrics(torch.cat(outputs), targets))
+    result.update(task.reference)
     return result

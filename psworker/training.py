@@ -154,7 +154,7 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         metrics = WorkerMetrics(registry, worker=config.name, task=config.task,
                                 mode="local" if config.local else config.mode, device=str(device),
                                 overlap=config.overlap)
-    task = load_task(config.task, seed=config.seed)
+    task = load_task(config.task, seed=config.seed, options=config.task_option_map())
     defaults = task.defaults
     batch_size = config.batch_size or defaults.batch_size
     opt_config = config.optimizer_config(

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from psworker import tasks
+from psworker.embedding import localize
 from psworker.tasks import BUILTIN_TASKS, Task, TaskDefaults, evaluate, linreg_optimum, load_task
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,11 +43,15 @@ NOT_CALLABLE = 42
 
 @pytest.mark.parametrize("name", BUILTIN_TASKS)
 def test_builtin_loads_with_consistent_shapes(name: str) -> None:
-    task = load_task(name, seed=0)
+    # dlrm-synth's table lives on the shards (localize makes it local); its inputs are float64
+    # so that they hold the ids exactly (tests/unit/test_dlrm.py).
+    options = {"examples": "1000", "test_examples": "100"} if name == "dlrm-synth" else {}
+    task = load_task(name, seed=0, options=options)
     assert task.name == name
     (x, y), (x_test, y_test) = task.train, task.test
-    assert x.dtype == torch.float32
+    assert x.dtype == (torch.float64 if name == "dlrm-synth" else torch.float32)
     assert x.shape[0] == y.shape[0] and x_test.shape[0] == y_test.shape[0]
+    localize(task.model)
     out = task.model(x[:7])
     loss = task.loss_fn(out, y[:7])
     assert loss.dim() == 0
@@ -225,4 +230,4 @@ def test_evaluate_without_test_split_and_bad_batch_size() -> None:
 def test_public_surface() -> None:
     assert set(tasks.__all__) == {"BUILTIN_TASKS", "Task", "TaskDefaults", "evaluate",
                                   "linreg_optimum", "load_task"}
-    assert BUILTIN_TASKS == ("mnist1d-mlp", "mnist1d-cnn", "linreg")
+    assert BUILTIN_TASKS == ("mnist1d-mlp", "mnist1d-cnn", "linreg", "dlrm-synth")
