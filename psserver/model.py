@@ -77,7 +77,8 @@ class CheckpointTable:
         return int(self._ids.size)
 
     def __repr__(self) -> str:
-        return f"CheckpointTable({self.spec.name!r}, {self.spec.num_rows} x {self.spec.dim}, {self.rows_written} written)"
+        spec = self.spec
+        return f"CheckpointTable({spec.name!r}, {spec.num_rows} x {spec.dim}, {self.rows_written} written)"
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` as float32 ``[stop - start, dim]`` (a new array): the written

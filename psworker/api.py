@@ -289,6 +289,8 @@ class Session:
         finally:
             if self._exchanger is not None:
                 self._exchanger.shutdown(wait=True)
+            if self.tables is not None:
+                self.tables.close()
             self.client.close()
 
     def __enter__(self) -> "Session":

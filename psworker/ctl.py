@@ -125,6 +125,14 @@ def _table(shards: list[dict]) -> str:
         )
         if s.get("data") and s["data"]["active"]:
             lines.append(f"{s['address']}: {_data_line(s['data'])}")
+        for t in s.get("tables") or []:
+            spec = t["spec"]
+            lines.append(
+                f"{s['address']}: table {spec['name']!r} ({spec['num_rows']} x {spec['dim']}, "
+                f"{spec['optimizer']['name']} lr {spec['optimizer']['lr']:g}): {t['rows_held']} rows here, "
+                f"{t['rows_written']} written ({t['bytes_resident'] / 2**20:.1f} MiB with state), "
+                f"{t['rows_pushed']} pushed, {t['rows_pulled']} pulled, step {t['step']}"
+            )
     return "\n".join(lines)
 
 
@@ -314,7 +322,8 @@ def _parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--timeout", type=float, default=300.0, help="seconds per call (default: 300)")
     _add_security(ckpt, "admin")
     export = sub.add_parser("export", help="write the job's model to a safetensors file, from the running shards "
-                            "(--ps) or from a checkpoint directory with no shard running (--checkpoint)")
+                            "(--ps) or from a checkpoint directory with no shard running (--checkpoint); each "
+                            "embedding table as TABLE.weight, written in chunks")
     source = export.add_mutually_exclusive_group(required=True)
     source.add_argument("--ps", help="HOST:PORT[,HOST:PORT...], every shard of the job in shard order")
     source.add_argument("--checkpoint", metavar="DIR", help="a checkpoint root (psserver --checkpoint-dir; the "

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from concurrent import futures
 
 import numpy as np
 import torch
 from torch import nn
 
 from pswire import errors
+from pswire.consistency import Mode
 from pswire.optim import OptimizerConfig
 from pswire.tables import TableSpec, initial_rows
 
@@ -99,6 +101,17 @@ class ShardedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, sharded"
 
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start pulling the rows of ``ids`` (the next batch's) in the background, while this
+        step computes; the next forward with the same ids uses them instead of pulling. Async
+        jobs only: the rows are read before this step's push lands, so a row both batches touch
+        lacks this worker's newest update to it (one step of staleness, measured by the shards
+        like any other). Raises ``ValueError`` in ssp and sync jobs, whose reads wait on the
+        bound."""
+        if self._tables is None:
+            raise RuntimeError("prefetch needs the model handed to session.prepare first")
+        self._tables.prefetch(self, ids)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._tables is None:
             raise RuntimeError(
@@ -154,23 +167,25 @@ class TableRows:
     def __init__(self, client) -> None:
         self.client = client
         self._lookups: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
+        self._prefetched: dict[str, tuple[torch.Tensor, futures.Future]] = {}
+        self._prefetcher: futures.ThreadPoolExecutor | None = None
         self.rows_looked_up = 0
         """Ids looked up for training, repeats included (the unique ratio's denominator)."""
         self.rows_unique = 0
         """Distinct rows those lookups pulled."""
 
     def lookup(self, module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"ShardedEmbedding ids must be int64 or int32, got {ids.dtype}")
         name = module.name
-        flat = ids.reshape(-1).to("cpu", torch.int64)
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= module.num_embeddings):
-            bad = int(unique[0]) if int(unique[0]) < 0 else int(unique[-1])
-            raise IndexError(f"table {name!r}: id {bad} is out of range for {module.num_embeddings} rows")
+        unique, inverse = _distinct(module, ids)
         training = module.training and torch.is_grad_enabled()
+        ahead = self._prefetched.pop(name, None)
         try:
-            values = self.client.pull_rows({name: unique.numpy()}, wait=training)[name]
+            if ahead is not None and torch.equal(ahead[0], unique):
+                values = ahead[1].result()[name]
+            else:
+                if ahead is not None:
+                    ahead[1].cancel()
+                values = self.client.pull_rows({name: unique.numpy()}, wait=training)[name]
         except errors.FencedError as exc:
             # The shards fenced this worker off (evicted, or a shard restored): the step goes on
             # with the rows read as a reader, and its push is dropped by ``optimizer.step()``,
@@ -182,9 +197,29 @@ class TableRows:
         if training:
             rows.requires_grad_(True)
             self._lookups.setdefault(name, []).append((unique.numpy(), rows))
-            self.rows_looked_up += flat.numel()
+            self.rows_looked_up += ids.numel()
             self.rows_unique += unique.numel()
         return rows[inverse.to(rows.device)].reshape(*ids.shape, module.embedding_dim)
+
+    def prefetch(self, module: ShardedEmbedding, ids: torch.Tensor) -> None:
+        """:meth:`ShardedEmbedding.prefetch`."""
+        if self.client.consistency.mode is not Mode.ASYNC:
+            raise ValueError(f"prefetching rows needs an async job, and this one is "
+                             f"{self.client.consistency.describe()}: its reads wait on the bound")
+        unique, _ = _distinct(module, ids)
+        if self._prefetcher is None:
+            self._prefetcher = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="psworker-rows")
+        previous = self._prefetched.pop(module.name, None)
+        if previous is not None:
+            previous[1].cancel()
+        self._prefetched[module.name] = (
+            unique, self._prefetcher.submit(self.client.pull_rows, {module.name: unique.numpy()}, wait=False))
+
+    def close(self) -> None:
+        """Stop the prefetching thread (the session closes)."""
+        self._prefetched.clear()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
 
     def gradients(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Table -> ``(ids, gradients)`` of this step's lookups, each id once (the gradients of
@@ -220,6 +255,18 @@ class TableRows:
     def clear(self) -> None:
         """Forget this step's lookups (once pushed)."""
         self._lookups.clear()
+
+
+def _distinct(module: ShardedEmbedding, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ids of a lookup (sorted, on the CPU) and where each id of ``ids`` is among
+    them. Raises ``TypeError`` / ``IndexError`` for ids that are not integers or not rows."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"ShardedEmbedding ids must be int64 or int32, got {ids.dtype}")
+    unique, inverse = torch.unique(ids.reshape(-1).to("cpu", torch.int64), return_inverse=True)
+    if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= module.num_embeddings):
+        bad = int(unique[0]) if int(unique[0]) < 0 else int(unique[-1])
+        raise IndexError(f"table {module.name!r}: id {bad} is out of range for {module.num_embeddings} rows")
+    return unique, inverse
 
 
 def attach(model: nn.Module, client, job_optimizer: OptimizerConfig) -> tuple[list[TableSpec], TableRows | None]:

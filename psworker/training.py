@@ -272,7 +272,7 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         if metrics is not None:
             metrics.evaluated(final)
         if config.save is not None:
-            _save(model, config, step)
+            _save(model, config, step, session)
     finally:
         progress.close()
         if feed is not None:
@@ -421,14 +421,18 @@ def _local_optimizer(params, c) -> torch.optim.Optimizer:
                                eps=c.eps, initial_accumulator_value=c.initial_accumulator_value)
 
 
-def _save(model: torch.nn.Module, config: WorkerConfig, step: int) -> None:
+def _save(model: torch.nn.Module, config: WorkerConfig, step: int, session=None) -> None:
     """``--save``: the final model as safetensors. Raises ``ValueError`` naming the file when it
     cannot be written (the training's result is then lost with it: say so loudly)."""
-    from psworker.export import save_model
+    from psworker.export import save_model, save_model_with_tables
 
+    metadata = {"task": config.task, "worker": config.name, "step": str(step)}
     try:
-        save_model(model.state_dict(), config.save, metadata={"task": config.task, "worker": config.name,
-                                                              "step": str(step)})
+        if session is not None and session.tables is not None:
+            # The tables as the shards hold them, streamed (the worker never holds one whole).
+            save_model_with_tables(model, session.client, config.save, metadata=metadata)
+        else:
+            save_model(model.state_dict(), config.save, metadata=metadata)
     except OSError as exc:
         raise ValueError(f"--save: cannot write the model to {config.save}: {exc}") from exc
     log.info("%s saved the final model to %s", config.name, config.save)

@@ -193,3 +193,101 @@ def test_psclient_reads_rows_as_a_reader(shards):
             assert [t.spec.name for t in status.tables] == ["emb"]
     finally:
         session.close()
+
+
+def test_prefetched_rows_are_used_by_the_next_forward_and_refused_in_sync(shards):
+    (a,) = shards(1)
+    torch.manual_seed(0)
+    session = psworker.connect(a.address, worker_name="w0", options=ClientOptions(timeout=30))
+    try:
+        model, optimizer = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+        ids = torch.tensor([[5, 6, 7], [5, 8, 9]])
+
+        def pulled() -> int:
+            return session.status()[0].tables[0].rows_pulled
+
+        model.emb.prefetch(ids)
+        session.tables._prefetched["emb"][1].result(timeout=30)  # landed
+        before = pulled()
+        expected = model.emb(ids)  # served from the prefetch: no read of its own
+        assert pulled() == before
+        model.emb(ids)
+        assert pulled() == before + 5  # the 5 distinct rows, pulled once without a prefetch
+        # A prefetch for other ids is not used (nor are its rows mistaken for these).
+        model.emb.prefetch(torch.tensor([[1, 2, 3]]))
+        torch.testing.assert_close(model.emb(ids), expected)
+        optimizer.zero_grad()
+        model(ids).sum().backward()
+        optimizer.step()
+    finally:
+        session.close()
+    (b,) = shards(1)
+    session = psworker.connect(b.address, worker_name="w0", options=ClientOptions(timeout=30))
+    try:
+        model, _ = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05),
+                                   consistency=Consistency(mode="sync"))
+        with pytest.raises(ValueError, match="needs an async job"):
+            model.emb.prefetch(torch.tensor([[1, 2, 3]]))
+    finally:
+        session.close()
+
+
+def test_two_sync_workers_average_their_row_gradients(shards):
+    """Sync with two workers: each clock applies the mean over the workers of the rows'
+    gradients (a row one worker did not touch counts zero from it), as an all-reduce does; the
+    same as one local step on the concatenated batch with the loss halved per worker."""
+    a, b = shards(2)
+    ps = f"{a.address},{b.address}"
+    torch.manual_seed(0)
+    sessions = [psworker.connect(ps, worker_name=f"w{i}", options=ClientOptions(timeout=30)) for i in range(2)]
+    try:
+        prepared = []
+        for s in sessions:
+            torch.manual_seed(0)
+            prepared.append(s.prepare(_Model(), OptimizerConfig(name="sgd", lr=0.5), consistency=Consistency(mode="sync")))
+        batches = [torch.tensor([[0, 1, 2]]), torch.tensor([[2, 3, 4]])]
+        import threading
+
+        def step(i: int) -> None:
+            model, optimizer = prepared[i]
+            optimizer.zero_grad()
+            model(batches[i]).sum().backward()
+            optimizer.step()
+
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        got = sessions[0].client.pull_rows({"emb": np.arange(6)}, wait=False)["emb"]
+    finally:
+        for s in sessions:
+            s.close()
+    torch.manual_seed(0)
+    local = localize(_Model())
+    opt = torch.optim.SGD(local.parameters(), lr=0.5)
+    (local(batches[0]).sum() / 2 + local(batches[1]).sum() / 2).backward()
+    opt.step()
+    torch.testing.assert_close(torch.from_numpy(got), local.emb.weight.detach()[:6], rtol=1e-6, atol=1e-7)
+
+
+def test_shard_metrics_count_table_rows(shards):
+    import re
+    import urllib.request
+
+    (a,) = shards(1, "--metrics-port", "0")
+    url = re.search(r"metrics on (http://\S+)", a.log()).group(1)
+    torch.manual_seed(0)
+    session = psworker.connect(a.address, worker_name="w0", options=ClientOptions(timeout=30))
+    try:
+        model, optimizer = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+        model(torch.tensor([[1, 2, 2]])).sum().backward()
+        optimizer.step()
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        session.close()
+    values = dict(re.findall(r"^(psserver_table_\w+(?:\{[^}]*\})?) (\S+)$", text, flags=re.M))
+    assert float(values['psserver_table_rows{state="held"}']) == ROWS
+    assert float(values['psserver_table_rows{state="written"}']) == 2
+    assert float(values["psserver_table_rows_pushed_total"]) == 2
+    assert float(values["psserver_table_rows_pulled_total"]) == 2
