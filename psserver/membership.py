@@ -17,7 +17,8 @@ from collections.abc import Callable
 from threading import Lock
 
 from pswire.errors import (
-    FencedError, InvalidArgumentError, NotReadyError, OverloadedError, PreconditionError, UnauthenticatedError,
+    FencedError, InvalidArgumentError, NotReadyError, OverloadedError, PreconditionError, TooLargeError,
+    UnauthenticatedError,
 )
 from psserver.dataqueue import DataQueue
 from psserver.job import Registration, check_parts, check_same_job, check_tables, fmt_bytes
@@ -135,15 +136,19 @@ class Membership:
             )
 
     def _make_tables(self, reg: Registration) -> dict[str, RowTable]:
-        # Caller holds _lock. The arrays are zero pages until rows are written.
-        tables = {t.name: RowTable(t, reg.shard_index, reg.num_shards) for t in reg.tables}
-        total = sum(p.nbytes for p in reg.parts) + sum(t.nbytes for t in tables.values())
+        # Caller holds _lock. The arrays are zero pages until rows are written; what they could
+        # grow to is checked against the limit before anything is mapped.
+        total = sum(p.nbytes for p in reg.parts) + sum(
+            RowTable.reserved_bytes(t, reg.shard_index, reg.num_shards) for t in reg.tables)
         if total > self._max_model_bytes:
             raise InvalidArgumentError(
                 f"registration puts {fmt_bytes(total)} of variables and table rows (with their optimizer state) on "
                 f"this shard, above its limit of {fmt_bytes(self._max_model_bytes)} (--max-model-bytes)"
             )
-        return tables
+        try:
+            return {t.name: RowTable(t, reg.shard_index, reg.num_shards) for t in reg.tables}
+        except OSError as exc:
+            raise TooLargeError(f"cannot map the tables' {fmt_bytes(total)} on this shard: {exc}") from None
 
     def _check_takeover(self, worker: Worker, session: bytes) -> None:
         # Caller holds _lock. A live registration of this name belongs to whoever holds its secret.

@@ -26,7 +26,7 @@ from pswire.wire import (
     optimizer_from_proto, optimizer_to_proto, rows_from_proto, rows_to_proto, table_from_proto, table_to_proto,
 )
 
-__all__ = ["INLINE_LIMIT", "ParameterServerServicer", "STATUS_CODES", "Traffic", "add_to_server"]
+__all__ = ["INLINE_LIMIT", "ROWS_LIMIT", "ParameterServerServicer", "STATUS_CODES", "Traffic", "add_to_server"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,10 @@ not a request too large to ever succeed."""
 
 INLINE_LIMIT = 4 << 20
 """The most bytes a PullInline answers with; larger shards are pulled as a stream."""
+
+ROWS_LIMIT = 32 << 20
+"""The most bytes of rows one PullRows answers with (clients split larger reads): checked before
+any row is read, so a request for millions of rows costs the shard nothing."""
 
 # Chunks skip protobuf both ways (pswire.frames): streamed requests are decoded to views of the
 # received bytes, and a pull's chunks are encoded straight from the variables' memory (the
@@ -570,6 +574,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 asked.append((block.table, ids))
             if len({name for name, _ in asked}) != len(asked):
                 raise errors.InvalidArgumentError("a table is listed twice in one PullRows")
+            nbytes = self._store.rows_bytes(asked)
+            if nbytes > ROWS_LIMIT:
+                raise errors.TooLargeError(
+                    f"PullRows asks for {nbytes} bytes of rows, above the {ROWS_LIMIT} one call answers with: "
+                    "ask in pieces"
+                )
             version, clock, rows = self._store.pull_rows(
                 asked, timeout=_time_left(context, margin=0.05), worker_id=request.worker_id,
                 generation=request.generation, clock=request.clock,

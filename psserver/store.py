@@ -558,6 +558,12 @@ class ShardStore(Membership, Lifecycle, Reports):
             self._counters.pulls_served += 1
             return self._version, self._current_clock(), out
 
+    def rows_bytes(self, requests: Sequence[tuple[str, np.ndarray]]) -> int:
+        """Bytes of values a read of ``requests`` would answer with (0 for unknown tables, which
+        the read itself refuses)."""
+        with self._lock:
+            return sum(ids.size * self._tables[name].spec.row_bytes for name, ids in requests if name in self._tables)
+
     def _admit_reader(self, worker_id: int, generation: int, session: bytes | None, clock: int,
                       timeout: float) -> float:
         # The checks of a read before it waits for the shard to be ready, which it then does;

@@ -66,6 +66,12 @@ class RowTable:
         self.state = {name: _zero_pages(shape) for name in self.rule.state_names}
         self.written = np.zeros(self.rows, dtype=bool)
 
+    @staticmethod
+    def reserved_bytes(spec: TableSpec, shard: int, num_shards: int) -> int:
+        """:attr:`nbytes` of a table not yet made."""
+        state = len(create_row_rule(spec.optimizer).state_names)
+        return local_rows(spec.num_rows, shard, num_shards) * spec.row_bytes * (1 + state)
+
     @property
     def nbytes(self) -> int:
         """Values and state of every row this shard holds (what is reserved, not resident)."""
@@ -185,9 +191,12 @@ class RowTable:
 
 
 def _zero_pages(shape: tuple[int, int]) -> np.ndarray:
-    """A float32 array of zeros in an anonymous map advised against huge pages (see above)."""
+    """A float32 array of zeros in an anonymous map advised against huge pages (see above).
+    Raises ``OSError`` when the address space cannot hold it."""
     nbytes = max(4, shape[0] * shape[1] * 4)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # No reservation of swap for the whole map: --max-model-bytes bounds what it may grow to.
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    region = mmap.mmap(-1, nbytes, flags=flags)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         region.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(region, dtype=np.float32, count=shape[0] * shape[1]).reshape(shape)

@@ -33,7 +33,10 @@ from psworker.retry import retrying
 from psworker.shard import ShardClient
 from psworker.tensors import tensor_bytes, torch_dtype
 
-__all__ = ["ClientOptions", "PSClient", "ShardClient", "parse_addresses"]
+__all__ = ["ClientOptions", "PSClient", "ROWS_PER_CALL", "ShardClient", "parse_addresses"]
+
+ROWS_PER_CALL = 16 << 20
+"""The most bytes of rows one PullRows asks a shard for (below the shards' limit on a reply)."""
 
 log = logging.getLogger(__name__)
 
@@ -446,31 +449,35 @@ class PSClient(AdminClient):
             ids = np.ascontiguousarray(ids, dtype=np.int64)
             plan.append((table, spec, ids, owner(ids, n)))
 
-        def one(shard: int) -> ps_pb2.PullRowsResponse | None:
-            session = sessions[shard]
-            blocks = [rows_to_proto(table, ids[where == shard]) for table, _, ids, where in plan]
-            if not any(b.ids for b in blocks):
-                return None
-            nbytes = sum(len(b.ids) // 8 * spec.row_bytes for b, (_, spec, _, _) in zip(blocks, plan))
-            request = ps_pb2.PullRowsRequest(rows=blocks, clock=session.clock if may_wait else -1)
-            if not as_reader:
-                request.worker_id, request.generation, request.session = (session.worker_id, session.generation,
-                                                                           session.secret)
-            return retrying(lambda: session.client.pull_rows(request, nbytes, may_wait=may_wait), self.options,
-                            session.client.address, "pull rows")
+        def one(shard: int) -> list[tuple[str, TableSpec, np.ndarray, np.ndarray]]:
+            # This shard's rows of each table, in calls of at most ROWS_PER_CALL bytes of values
+            # (the shard's own limit on a reply): (table, spec, positions in the request, values).
+            session, out = sessions[shard], []
+            for table, spec, ids, where in plan:
+                positions = np.flatnonzero(where == shard)
+                step = max(1, ROWS_PER_CALL // spec.row_bytes)
+                for start in range(0, positions.size, step):
+                    piece = positions[start:start + step]
+                    request = ps_pb2.PullRowsRequest(rows=[rows_to_proto(table, ids[piece])],
+                                                     clock=session.clock if may_wait else -1)
+                    if not as_reader:
+                        request.worker_id, request.generation, request.session = (
+                            session.worker_id, session.generation, session.secret)
+                    reply = retrying(
+                        lambda: session.client.pull_rows(request, piece.size * spec.row_bytes, may_wait=may_wait),
+                        self.options, session.client.address, "pull rows",
+                    )
+                    got_ids, values = rows_from_proto(reply.rows[0], spec.dim) if len(reply.rows) == 1 else (None, None)
+                    if got_ids is None or reply.rows[0].table != table or not np.array_equal(got_ids, ids[piece]):
+                        raise errors.InvalidArgumentError(f"shard {session.client.address} answered other rows of "
+                                                          f"table {table!r} than asked for")
+                    out.append((table, spec, piece, values))
+            return out
 
-        replies = self._fan_out(one, range(n))
         out = {table: np.empty((ids.size, spec.dim), dtype=np.float32) for table, spec, ids, _ in plan}
-        for shard, reply in enumerate(replies):
-            if reply is None:
-                continue
-            for block, (table, spec, ids, where) in zip(reply.rows, plan):
-                got_ids, values = rows_from_proto(block, spec.dim)
-                mask = where == shard
-                if block.table != table or not np.array_equal(got_ids, ids[mask]):
-                    raise errors.InvalidArgumentError(f"shard {sessions[shard].client.address} answered other rows "
-                                                      f"of table {table!r} than asked for")
-                out[table][mask] = values
+        for pieces in self._fan_out(one, range(n)):
+            for table, _, positions, values in pieces:
+                out[table][positions] = values
         return out
 
     def _report(self, timings: list[tuple[float, float, float]] | None) -> None:

@@ -13,7 +13,8 @@ import psworker
 from pswire import errors
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
-from pswire.tables import initial_rows
+from pswire.placement import model_spec
+from pswire.tables import TableSpec, initial_rows
 from pswire.v1 import ps_pb2
 from pswire.wire import rows_to_proto
 from psworker.client import ClientOptions, PSClient
@@ -150,6 +151,10 @@ def test_rows_start_at_their_initial_values_and_bad_row_traffic_is_refused(shard
             session.client.pull_rows({"emb": np.array([5000])}, wait=False)
         with pytest.raises(ValueError, match="unknown table"):
             session.client.pull_rows({"other": np.array([1])}, wait=False)
+        # A read of more rows than a reply may carry is refused before any row is read.
+        huge = ps_pb2.PullRowsRequest(clock=-1, rows=[rows_to_proto("emb", np.zeros(1_100_000, dtype=np.int64))])
+        with pytest.raises(errors.TooLargeError, match="ask in pieces"):
+            client.pull_rows(huge, 1 << 20, may_wait=False)
         after = session.client.pull_rows({"emb": ids}, wait=False)["emb"]
         np.testing.assert_array_equal(after, before)  # nothing refused changed a row
         statuses = session.status()
@@ -291,3 +296,25 @@ def test_shard_metrics_count_table_rows(shards):
     assert float(values['psserver_table_rows{state="written"}']) == 2
     assert float(values["psserver_table_rows_pushed_total"]) == 2
     assert float(values["psserver_table_rows_pulled_total"]) == 2
+
+
+def test_a_table_beyond_the_shards_limit_is_refused_and_the_shard_serves_on(shards):
+    (a,) = shards(1, "--max-model-bytes", str(1 << 30))
+    huge = TableSpec(name="emb", num_rows=1 << 40, dim=1 << 16, optimizer=OptimizerConfig(name="adagrad", lr=0.1))
+    with PSClient(a.address, ClientOptions(timeout=30)) as client:
+        client.wait_connected()
+        values = {"w": torch.zeros(4)}
+        with pytest.raises(errors.InvalidArgumentError, match="above its limit"):
+            client.register(model_spec(values.items()), OptimizerConfig(name="adagrad", lr=0.1), worker_name="w0",
+                            initial_values=values, tables=[huge])
+        (status,) = client.status()
+        assert status.state == "empty" and not status.tables
+    torch.manual_seed(0)
+    session = psworker.connect(a.address, worker_name="w1", options=ClientOptions(timeout=30))
+    try:
+        model, optimizer = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        optimizer.step()
+        assert session.status()[0].tables[0].rows_written == 3
+    finally:
+        session.close()

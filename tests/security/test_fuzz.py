@@ -18,11 +18,15 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from psserver.checkpoint import LATEST
 from pswire.codec import Part
+from pswire.optim import OptimizerConfig
+from pswire.tables import TableSpec
 from pswire.v1 import ps_pb2, ps_pb2_grpc
+from pswire.wire import rows_to_proto, table_to_proto
 from tests.conftest import start_shard
 from tests.service.test_shard_service import GRADS, PARTS, initialize, push, register, register_request
 
@@ -33,7 +37,8 @@ CLIENTS = 6
 RPC_TIMEOUT = 5.0
 SERVICE = "/pswire.v1.ParameterServer/"
 EXTREMES = (0, 1, -1, 2**31 - 1, -(2**31), 2**53, 2**62, 2**63 - 1, -(2**63))
-UNARY = ("Register", "PushInline", "PullInline", "PushPull", "Leave", "Heartbeat", "Status", "Checkpoint")
+UNARY = ("Register", "PushInline", "PullInline", "PushPull", "Leave", "Heartbeat", "Status", "Checkpoint", "PullRows")
+TABLE = TableSpec(name="emb", num_rows=1000, dim=4, optimizer=OptimizerConfig(name="adagrad", lr=0.1))
 STREAMS = ("Push", "Initialize")
 
 
@@ -105,8 +110,9 @@ class _Templates:
     def __init__(self, worker, bulk_port: int) -> None:
         wrong = b"\x00" * 32
         specs = [p.to_proto() for p in PARTS]
+        rows = rows_to_proto(TABLE.name, np.array([0, 7]), np.ones((2, TABLE.dim)))
         head = ps_pb2.TensorHeader(worker_id=worker.worker_id, generation=worker.generation, sequence=1,
-                                   session=wrong, parts=specs)
+                                   session=wrong, parts=specs, rows=[rows])
         data = [bytes(p.nbytes) for p in PARTS]
         pull = ps_pb2.PullRequest(worker_id=worker.worker_id, generation=worker.generation, clock=0,
                                   session=wrong, known_versions={PARTS[0].key: 1})
@@ -120,6 +126,8 @@ class _Templates:
                                                  session=wrong),
             "Status": ps_pb2.StatusRequest(),
             "Checkpoint": ps_pb2.CheckpointRequest(checkpoint_id=1),
+            "PullRows": ps_pb2.PullRowsRequest(worker_id=worker.worker_id, generation=worker.generation, clock=0,
+                                               session=wrong, rows=[rows_to_proto(TABLE.name, np.arange(5))]),
         }
         self.stream = [ps_pb2.TensorMessage(header=head)] + [
             ps_pb2.TensorMessage(chunk=ps_pb2.TensorChunk(part_index=i, offset=0, data=d)) for i, d in enumerate(data)
@@ -205,7 +213,7 @@ def test_random_and_mutated_messages_never_break_a_shard(tmp_path):
     channel = grpc.insecure_channel(shard.address)
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     try:
-        worker, reply = register(stub)
+        worker, reply = register(stub, tables=[table_to_proto(TABLE)])
         assert reply.must_initialize and initialize(stub, worker).applied
         push(stub, worker, GRADS, base_version=0)
         assert stub.Checkpoint(ps_pb2.CheckpointRequest(checkpoint_id=int(time.time())), timeout=30).complete
@@ -254,5 +262,7 @@ def test_random_and_mutated_messages_never_break_a_shard(tmp_path):
 def _model(stub) -> dict[str, bytes]:
     reply = stub.PullInline(ps_pb2.PullRequest(), timeout=RPC_TIMEOUT)
     keys = [Part.from_proto(p.spec).key for p in reply.header.parts]
-    return dict(zip(keys, reply.data)) | {"version": str(reply.header.version).encode()}
+    rows = stub.PullRows(ps_pb2.PullRowsRequest(clock=-1, rows=[rows_to_proto(TABLE.name, np.arange(TABLE.num_rows))]),
+                         timeout=RPC_TIMEOUT)
+    return dict(zip(keys, reply.data)) | {"version": str(reply.header.version).encode(), "rows": rows.rows[0].values}
 
