@@ -312,6 +312,19 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return args, worker_args
 
 
+def _task_options(worker_args: Sequence[str]) -> dict[str, str]:
+    """The ``--task-options`` passed through to the workers, for the final evaluation's model."""
+    from psworker.config import parse_task_options
+
+    value = ""
+    for i, arg in enumerate(worker_args):
+        if arg == "--task-options" and i + 1 < len(worker_args):
+            value = worker_args[i + 1]
+        elif arg.startswith("--task-options="):
+            value = arg.partition("=")[2]
+    return parse_task_options(value)
+
+
 def _shard_config(args: argparse.Namespace, run_dir: Path) -> tuple[dict[str, str], ServerConfig]:
     """The environment of the shards and the settings they will run with, validated by the
     shard's own parser (exits with a usage error naming the problem). ``--restart`` supplies
@@ -682,13 +695,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from psworker.training import pull_task  # imports torch: only once training is done
 
         options = ClientOptions(security=cluster.credentials.evaluation)
-        task = pull_task(cluster.ps, args.task, seed=args.seed, options=options)
+        task = pull_task(cluster.ps, args.task, seed=args.seed, options=options,
+                         task_options=_task_options(worker_args))
         final = evaluate(task.model, task)
         if args.save is not None:
-            from psworker.export import save_model
+            from psworker.embedding import table_client
+            from psworker.export import save_model_with_tables
 
             try:
-                save_model(task.model.state_dict(), args.save, metadata={"task": args.task, "source": "pscluster"})
+                save_model_with_tables(task.model, table_client(task.model), args.save,
+                                       metadata={"task": args.task, "source": "pscluster"})
             except OSError as exc:
                 log.error("cannot save the model to %s: %s", args.save, exc)
                 return 1

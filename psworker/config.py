@@ -16,7 +16,7 @@ from pswire.flags import add_fields, add_version, parse
 from pswire.optim import OPTIMIZERS, OptimizerConfig
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security
 
-__all__ = ["WorkerConfig", "build_parser", "parse_args"]
+__all__ = ["WorkerConfig", "build_parser", "parse_args", "parse_task_options"]
 
 
 def _f(default, help: str, **kw):
@@ -168,21 +168,8 @@ class WorkerConfig:
         )
 
     def task_option_map(self) -> dict[str, str]:
-        """``task_options`` as a dict (``"rows=1000,dim=8"``: ``{"rows": "1000", "dim": "8"}``;
-        spaces around keys and values are dropped). Raises ``ValueError`` for an item without
-        ``=``, an empty key, or a key given twice."""
-        options: dict[str, str] = {}
-        for item in self.task_options.split(","):
-            if not item.strip():
-                continue
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise ValueError(f"--task-options: {item.strip()!r} is not KEY=VALUE")
-            if key in options:
-                raise ValueError(f"--task-options: {key!r} is given twice")
-            options[key] = value.strip()
-        return options
+        """``task_options`` as a dict (:func:`parse_task_options`)."""
+        return parse_task_options(self.task_options)
 
     @property
     def dynamic(self) -> bool:
@@ -227,6 +214,24 @@ class WorkerConfig:
             lr_decay=self.lr_decay,
             initial_accumulator_value=self.initial_accumulator_value,
         )
+
+
+def parse_task_options(text: str) -> dict[str, str]:
+    """``--task-options`` as a dict (``"rows=1000,dim=8"``: ``{"rows": "1000", "dim": "8"}``;
+    spaces around keys and values are dropped). Raises ``ValueError`` for an item without
+    ``=``, an empty key, or a key given twice."""
+    options: dict[str, str] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--task-options: {item.strip()!r} is not KEY=VALUE")
+        if key in options:
+            raise ValueError(f"--task-options: {key!r} is given twice")
+        options[key] = value.strip()
+    return options
 
 
 def build_parser(prog: str = "psworker") -> argparse.ArgumentParser:

@@ -269,6 +269,15 @@ def _distinct(module: ShardedEmbedding, ids: torch.Tensor) -> tuple[torch.Tensor
     return unique, inverse
 
 
+def table_client(model: nn.Module):
+    """The client a model's ``ShardedEmbedding`` tables read through (None without tables, or
+    before the model was prepared or pulled)."""
+    for _, module in sharded_embeddings(model):
+        if module._tables is not None:
+            return module._tables.client
+    return None
+
+
 def attach(model: nn.Module, client, job_optimizer: OptimizerConfig) -> tuple[list[TableSpec], TableRows | None]:
     """Name each ``ShardedEmbedding`` of ``model`` (its path unless named), build its spec, and
     route its lookups through one ``TableRows`` of ``client``. Returns the specs (in the model's

@@ -438,23 +438,44 @@ def _save(model: torch.nn.Module, config: WorkerConfig, step: int, session=None)
     log.info("%s saved the final model to %s", config.name, config.save)
 
 
-def pull_task(ps: str, task_spec: str, *, seed: int = 0, options: ClientOptions | None = None) -> Task:
-    """Task ``task_spec`` (built with ``seed``) with the job's current weights pulled into its
-    model, without joining the job (its buffers stay the fresh model's: the shards hold
-    parameters only). Raises ``PreconditionError`` when the shards hold a different model."""
+def pull_task(ps: str, task_spec: str, *, seed: int = 0, options: ClientOptions | None = None,
+              task_options: dict[str, str] | None = None) -> Task:
+    """Task ``task_spec`` (built with ``seed`` and ``task_options``) with the job's current
+    weights pulled into its model, without joining the job (its buffers stay the fresh model's:
+    the shards hold parameters only). A model's ``ShardedEmbedding`` tables stay on the shards:
+    its lookups read them as a reader, through a client that stays open as long as the model
+    (``psworker.embedding.table_client(model)``). Raises ``PreconditionError`` when the shards
+    hold a different model."""
+    import weakref
+
     from pswire.errors import PreconditionError
     from pswire.placement import model_spec
+    from pswire.wire import optimizer_from_proto, table_from_proto
     from psworker.client import PSClient
+    from psworker.embedding import attach
 
-    task = load_task(task_spec, seed=seed)
+    task = load_task(task_spec, seed=seed, options=task_options)
     params = {name: p.data for name, p in task.model.named_parameters()}
-    with PSClient(ps, options) as client:
+    client = PSClient(ps, options)
+    try:
         client.wait_connected()
         placement = client.set_placement(model_spec(params.items()))
-        digests = {s.placement_digest for s in client.status()}
-        if digests != {placement.digest()}:
+        statuses = client.status()
+        if {s.placement_digest for s in statuses} != {placement.digest()}:
             raise PreconditionError(f"the shards hold a different model than task {task_spec!r}")
         client.pull(params, skip_unchanged=False)
+        tables = [table_from_proto(t.spec) for t in statuses[0].tables]
+        if tables:
+            client.tables = {t.name: t for t in tables}
+            specs, _ = attach(task.model, client, optimizer_from_proto(statuses[0].optimizer))
+            if [s.name for s in specs] != [t.name for t in tables]:
+                raise PreconditionError(f"the shards hold other tables than task {task_spec!r}")
+            weakref.finalize(task.model, client.close)
+            return task
+    except BaseException:
+        client.close()
+        raise
+    client.close()
     return task
 
 
