@@ -79,7 +79,8 @@ BY_HAND = ".venv/bin/psserver --port 7000 & S0=$!\n.venv/bin/psserver --port 700
 ELASTIC = ".venv/bin/psserver --port 7000 & S0=$!\n.venv/bin/psserver --port 7001 & S1=$!\nPS="
 SAMPLER = ".venv/bin/psserver --port 7002"
 SECURE = ".venv/bin/pscluster --shards 2 --workers 2 --task mnist1d-cnn --tls --auth"
-RUN = (MAIN_JOB, BY_HAND, ELASTIC, SAMPLER, SECURE)
+TABLES = ".venv/bin/pscluster --shards 2 --workers 2 --task dlrm-synth"
+RUN = (MAIN_JOB, BY_HAND, ELASTIC, SAMPLER, SECURE, TABLES)
 
 
 def test_every_block_is_run_here_or_listed_with_a_reason():
@@ -87,6 +88,14 @@ def test_every_block_is_run_here_or_listed_with_a_reason():
         assert any(block.startswith(s) for s in [*RUN, *NOT_RUN_HERE]), f"README block not run by any test:\n{block}"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "scripts/setup.sh --test && .venv/bin/python -m pytest" in ci
+
+
+def test_ten_million_row_table_job_reaches_the_teachers_auc():
+    result = _run(_block(TABLES))
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["test_auc"] >= 0.95 * summary["teacher_auc"], summary
+    assert summary["steps"] > 0 and summary["samples"] >= 490_000, summary
 
 
 def test_main_job_trains_and_its_last_line_is_the_json_summary():
