@@ -36,7 +36,7 @@ from psserver.lifecycle import RESTORE_ID_GAP, Lifecycle
 from psserver.membership import Membership
 from psserver.optimizers import UpdateRule
 from psserver.reports import Reports
-from psserver.tables import RowTable, RowUpdate, coalesce
+from psserver.tables import NonFiniteRows, RowTable, RowUpdate, coalesce
 from psserver.state import (
     Counters, EndedJob, EndedJobs, PulledPart, PullSnapshot, PushResult, Reading, RegisterResult, ShardState, Slot,
     SyncClock, Worker,
@@ -381,8 +381,8 @@ class ShardStore(Membership, Lifecycle, Reports):
         # written.
         try:
             return [self._tables[table].prepare(ids, values, lr_scale) for table, ids, values in rows]
-        except InvalidArgumentError as exc:
-            self._counters.updates_nonfinite += "non-finite" in str(exc)
+        except NonFiniteRows as exc:
+            self._counters.updates_nonfinite += exc.update
             raise NonFiniteError(f"push of {who} refused: {exc}") from None
 
     def decode_rows(self, blocks: Sequence) -> list[tuple[str, np.ndarray, np.ndarray]]:

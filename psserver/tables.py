@@ -27,10 +27,19 @@ from pswire.errors import InvalidArgumentError
 from pswire.tables import TableSpec, check_ids, initial_rows, local_index, local_rows
 from psserver.rowopt import RowRule, create_row_rule
 
-__all__ = ["PIECE_BYTES", "RowTable", "RowUpdate", "coalesce"]
+__all__ = ["PIECE_BYTES", "NonFiniteRows", "RowTable", "RowUpdate", "coalesce"]
 
 PIECE_BYTES = 64 << 20
 """The most bytes of rows (ids, values and state) one checkpoint piece holds."""
+
+
+class NonFiniteRows(InvalidArgumentError):
+    """Rows refused for a non-finite gradient, or (``update``) for an update that would have made
+    a row or its optimizer state non-finite."""
+
+    def __init__(self, message: str, *, update: bool) -> None:
+        super().__init__(message)
+        self.update = update
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,7 @@ class RowTable:
                 f"{self.spec.dim}"
             )
         if not np.isfinite(grads).all():
-            raise InvalidArgumentError(f"table {self.spec.name!r}: gradient contains NaN or Inf")
+            raise NonFiniteRows(f"table {self.spec.name!r}: gradient contains NaN or Inf", update=False)
         values = self.values[index]
         state = {name: buf[index] for name, buf in self.state.items()}
         fresh = ~self.written[index]
@@ -132,7 +141,8 @@ class RowTable:
         bad = [what for what, a in (("the rows", new_values), *((f"state {k!r}", v) for k, v in new_state.items()))
                if not np.isfinite(a).all()]
         if bad:
-            raise InvalidArgumentError(f"table {self.spec.name!r}: the update would make {', '.join(bad)} non-finite")
+            raise NonFiniteRows(f"table {self.spec.name!r}: the update would make {', '.join(bad)} non-finite",
+                                update=True)
         return RowUpdate(self, index, new_values, new_state)
 
     def commit(self, update: RowUpdate) -> None:

@@ -229,7 +229,15 @@ def _rates(before: list[dict] | None, after: list[dict], seconds: float) -> str:
         return "rates: - (first sample)"
     pushes = sum(a["pushes_applied"] - b["pushes_applied"] for a, b in zip(after, before)) / seconds
     versions = sum(a["version"] - b["version"] for a, b in zip(after, before)) / seconds
-    return f"rates: {pushes:.1f} pushes applied/s, {versions:.1f} versions/s (all shards, last {seconds:.1f}s)"
+
+    def rows(key: str) -> float:
+        return sum(sum(t[key] for t in a.get("tables") or []) - sum(t[key] for t in b.get("tables") or [])
+                   for a, b in zip(after, before)) / seconds
+
+    tables = (f", table rows {rows('rows_pushed'):.0f} touched/s and {rows('rows_pulled'):.0f} pulled/s"
+              if any(a.get("tables") for a in after) else "")
+    return (f"rates: {pushes:.1f} pushes applied/s, {versions:.1f} versions/s{tables} (all shards, last "
+            f"{seconds:.1f}s)")
 
 
 def _watch(args: argparse.Namespace, security: ClientSecurity | None, out=sys.stdout) -> int:

@@ -299,6 +299,9 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
                      "wait_seconds": round(feed.wait_seconds, 3), "stopped": stopped,
                      "job": plan.to_dict()}} if feed is not None else {}),
         **({"model_file": config.save} if config.save is not None else {}),
+        **({"tables": {"ids": session.tables.rows_looked_up, "rows": session.tables.rows_unique,
+                       "unique_ratio": round(session.tables.rows_unique / max(session.tables.rows_looked_up, 1), 4)}}
+           if session is not None and session.tables is not None else {}),
         **({"losses": losses} if config.record_losses else {}),
         **({"evals": evals + [{"step": step, "seconds": round(seconds, 3), **final}]} if config.eval_every else {}),
     }
