@@ -4,6 +4,8 @@ the state unchanged, and status shows the tables."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -41,6 +43,21 @@ def _batches(steps: int, batch: int = 32) -> list[tuple[torch.Tensor, torch.Tens
     ranks = (torch.rand(steps, batch, FEATURES, generator=g) ** 3 * ROWS).long()
     targets = torch.randn(steps, batch, 1, generator=g)
     return list(zip(ranks, targets))
+
+
+@contextlib.contextmanager
+def _prepared(address: str, model: nn.Module | None = None, optimizer: OptimizerConfig | None = None,
+              name: str = "w0", **prepare):
+    """A session of one worker with ``model`` (default ``_Model()`` from seed 0) prepared:
+    ``(session, model, optimizer)``; closed (the worker leaves) afterwards."""
+    torch.manual_seed(0)
+    session = psworker.connect(address, worker_name=name, options=ClientOptions(timeout=30))
+    try:
+        model, opt = session.prepare(model or _Model(), optimizer or OptimizerConfig(name="adagrad", lr=0.05),
+                                     **prepare)
+        yield session, model, opt
+    finally:
+        session.close()
 
 
 def _local_run(table_opt: str, steps: int) -> tuple[list[float], torch.Tensor, dict]:
@@ -187,25 +204,18 @@ def test_a_worker_with_other_tables_is_refused(shards):
         first.close()
 
 
-def test_psclient_reads_rows_as_a_reader(shards):
+def test_status_lists_the_jobs_tables_to_a_reader(shards):
     (a,) = shards(1)
-    torch.manual_seed(0)
-    session = psworker.connect(a.address, worker_name="w0", options=ClientOptions(timeout=30))
-    try:
-        session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+    with _prepared(a.address):
         with PSClient(a.address, ClientOptions(timeout=10)) as reader:
             (status,) = reader.status()
             assert [t.spec.name for t in status.tables] == ["emb"]
-    finally:
-        session.close()
+            assert status.tables[0].spec.num_rows == ROWS and status.tables[0].rows_held == ROWS
 
 
 def test_prefetched_rows_are_used_by_the_next_forward_and_refused_in_sync(shards):
     (a,) = shards(1)
-    torch.manual_seed(0)
-    session = psworker.connect(a.address, worker_name="w0", options=ClientOptions(timeout=30))
-    try:
-        model, optimizer = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+    with _prepared(a.address) as (session, model, optimizer):
         ids = torch.tensor([[5, 6, 7], [5, 8, 9]])
 
         def pulled() -> int:
@@ -224,17 +234,10 @@ def test_prefetched_rows_are_used_by_the_next_forward_and_refused_in_sync(shards
         optimizer.zero_grad()
         model(ids).sum().backward()
         optimizer.step()
-    finally:
-        session.close()
     (b,) = shards(1)
-    session = psworker.connect(b.address, worker_name="w0", options=ClientOptions(timeout=30))
-    try:
-        model, _ = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05),
-                                   consistency=Consistency(mode="sync"))
+    with _prepared(b.address, consistency=Consistency(mode="sync")) as (_, model, _):
         with pytest.raises(ValueError, match="needs an async job"):
             model.emb.prefetch(torch.tensor([[1, 2, 3]]))
-    finally:
-        session.close()
 
 
 def test_two_sync_workers_average_their_row_gradients(shards):
@@ -282,15 +285,10 @@ def test_shard_metrics_count_table_rows(shards):
 
     (a,) = shards(1, "--metrics-port", "0")
     url = re.search(r"metrics on (http://\S+)", a.log()).group(1)
-    torch.manual_seed(0)
-    session = psworker.connect(a.address, worker_name="w0", options=ClientOptions(timeout=30))
-    try:
-        model, optimizer = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+    with _prepared(a.address) as (_, model, optimizer):
         model(torch.tensor([[1, 2, 2]])).sum().backward()
         optimizer.step()
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-    finally:
-        session.close()
     values = dict(re.findall(r"^(psserver_table_\w+(?:\{[^}]*\})?) (\S+)$", text, flags=re.M))
     assert float(values['psserver_table_rows{state="held"}']) == ROWS
     assert float(values['psserver_table_rows{state="written"}']) == 2
@@ -309,12 +307,7 @@ def test_a_table_beyond_the_shards_limit_is_refused_and_the_shard_serves_on(shar
                             initial_values=values, tables=[huge])
         (status,) = client.status()
         assert status.state == "empty" and not status.tables
-    torch.manual_seed(0)
-    session = psworker.connect(a.address, worker_name="w1", options=ClientOptions(timeout=30))
-    try:
-        model, optimizer = session.prepare(_Model(), OptimizerConfig(name="adagrad", lr=0.05))
+    with _prepared(a.address, name="w1") as (session, model, optimizer):
         model(torch.tensor([[1, 2, 3]])).sum().backward()
         optimizer.step()
         assert session.status()[0].tables[0].rows_written == 3
-    finally:
-        session.close()
