@@ -179,6 +179,32 @@ def _elastic_scaling(results: dict) -> Check:
     return _check("8c", name, scaling["ratio"], "<", 1.0, detail)
 
 
+def _sparse_steps(results: dict) -> Check:
+    name = "sparse step time, 10M-row table <= 1.3 x 100K-row table"
+    steps = (results.get("sparse") or {}).get("steps")
+    if not steps:
+        return _check("9", name, None, "<=", 1.3, "")
+    small, large = steps["tables"][0], steps["tables"][-1]
+    detail = (f"{large['step_seconds'] * 1e3:.2f} / {small['step_seconds'] * 1e3:.2f} ms per step, "
+              f"{steps['rows_per_step']:.0f} rows each")
+    if (small["rows"], large["rows"]) != (100_000, 10_000_000):
+        detail += f" ({large['rows']:,} vs {small['rows']:,} rows)"
+    return _check("9", name, steps["ratio"], "<=", 1.3, detail)
+
+
+def _sparse_cluster(results: dict) -> Check:
+    name = "dlrm-synth 1M rows, 2 shards x 2 workers >= 0.5 x local"
+    dlrm = (results.get("sparse") or {}).get("dlrm")
+    if not dlrm:
+        return _check("9b", name, None, ">=", 0.5, "")
+    detail = (f"{dlrm['cluster_samples_per_second']:.0f} / {dlrm['local_samples_per_second']:.0f} samples/s; "
+              f"test AUC {dlrm['cluster_test_auc']:.3f} / {dlrm['local_test_auc']:.3f}, "
+              f"teacher {dlrm['teacher_auc']:.3f}")
+    if dlrm["rows"] != 1_000_000:
+        detail += f" (at {dlrm['rows']:,} rows)"
+    return _check("9b", name, dlrm["ratio_to_local"], ">=", 0.5, detail)
+
+
 _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _tcp_ratio,
     lambda r: _size_ratio(r, 1, "2"),
@@ -193,6 +219,8 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _elastic_throughput,
     _elastic_accuracy,
     _elastic_scaling,
+    _sparse_steps,
+    _sparse_cluster,
 )
 
 

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pswire.flags import add_fields, add_version, parse
 
-__all__ = ["SECTIONS", "BenchConfig", "ElasticJob", "Plan", "TrainingCase", "parse_args", "training_case"]
+__all__ = ["SECTIONS", "BenchConfig", "ElasticJob", "Plan", "SparseBench", "TrainingCase", "parse_args",
+           "training_case"]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic", "sparse")
 """Every section, in the order they run."""
 
 _NEEDS_BASELINES = ("goodput", "latency")
@@ -51,8 +52,9 @@ class BenchConfig:
     only: str = _f("", "Run only these sections, comma-separated, of: " + ", ".join(SECTIONS)
                    + ". goodput and latency bring baselines along (their ratios need it).")
     reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 5 for transfers "
-                          "and for metrics' and elastic's throughput pairs, 3 for training and for elastic's "
-                          "mnist1d-cnn jobs; --quick: 2 for transfers, else 1).")
+                          "and for metrics' and elastic's throughput pairs and sparse's step passes, 3 for training, for "
+                          "elastic's mnist1d-cnn jobs and for sparse's dlrm-synth pairs; --quick: 2 for transfers, "
+                          "else 1).")
     sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4). "
                     "tls measures the one nearest 64.")
     widths: str = _f("", "Hidden widths of the training MLPs, comma-separated (default: 100,1024,2048; --quick: 100). "
@@ -118,6 +120,8 @@ class BenchConfig:
                                      worker_steps=narrowest.worker_steps * (1 if quick else METRICS_RUN_FACTOR)),
             elastic_reps=self.reps or (1 if quick else 5),
             elastic_job=replace(QUICK_ELASTIC_JOB if quick else ELASTIC_JOB, runs=self.reps or (1 if quick else 3)),
+            sparse=replace(QUICK_SPARSE if quick else SPARSE, step_reps=self.reps or (1 if quick else 5),
+                           dlrm_reps=self.reps or (1 if quick else 3)),
         )
 
 
@@ -198,6 +202,61 @@ QUICK_ELASTIC_JOB = ElasticJob(steps=100, workers=2, fewer=1, runs=1)
 
 
 @dataclass(frozen=True, kw_only=True)
+class SparseBench:
+    """The sparse section (``psbench.sparse``): embedding tables on the shards.
+
+    Step time against table size: the same ``steps`` precomputed batches of ``batch`` x
+    ``features`` Zipf(``zipf``) ids below ``id_range`` (each step: a pull of the batch's distinct
+    rows, then a push of their gradients with a ``dim``-float dense variable per shard and a pull of it)
+    against a ``small_rows`` and a ``large_rows`` table of ``dim`` columns (Adagrad), ``shards``
+    shards each, ``step_reps`` passes over the batches per table, interleaved, after ``warmup``
+    steps. Cluster against local: ``dlrm-synth`` with ``dlrm_rows`` rows, ``psworker --local``
+    (``2 * dlrm_worker_steps`` steps) against ``shards`` shards x ``dlrm_workers`` async workers
+    (``dlrm_worker_steps`` each, static split), ``dlrm_reps`` pairs, each example trained once."""
+
+    small_rows: int = 100_000
+    large_rows: int = 10_000_000
+    dim: int = 64
+    steps: int = 200
+    warmup: int = 10
+    batch: int = 256
+    features: int = 4
+    zipf: float = 1.1
+    id_range: int = 100_000
+    """Every id is below this, so both tables hold every batch."""
+    seed: int = 0
+    shards: int = 2
+    step_reps: int = 5
+    dlrm_rows: int = 1_000_000
+    dlrm_workers: int = 2
+    dlrm_worker_steps: int = 600
+    """Steps of each cluster worker; the local run trains ``dlrm_workers`` times as many, and the
+    task's examples are as many as the steps cover (one pass: every example trained once)."""
+    dlrm_test_examples: int = 50_000
+    dlrm_reps: int = 3
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.id_range <= self.small_rows <= self.large_rows:
+            raise ValueError(f"need 1 <= id_range <= small_rows <= large_rows: {self}")
+        if min(self.dim, self.steps, self.batch, self.features, self.shards, self.step_reps, self.dlrm_rows,
+               self.dlrm_workers, self.dlrm_worker_steps, self.dlrm_test_examples, self.dlrm_reps) < 1:
+            raise ValueError(f"sizes, steps and repetitions must be >= 1: {self}")
+        if self.warmup < 0 or not self.zipf > 0:
+            raise ValueError(f"need warmup >= 0 and zipf > 0: {self}")
+
+    @property
+    def dlrm_local_steps(self) -> int:
+        return self.dlrm_workers * self.dlrm_worker_steps
+
+
+# Measured on the 2-core machine: a step of the row microbenchmark takes 2.5-4 ms; dlrm-synth
+# trains at about 250K samples/s locally (1,000 steps of 256 in a second) and 30K per cluster
+# worker (9-10 ms a step), so 600 steps per worker are 5-6 s of cluster training.
+SPARSE = SparseBench()
+QUICK_SPARSE = SparseBench(steps=30, warmup=3, dlrm_worker_steps=60, dlrm_test_examples=5_000)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Everything a run does, resolved from :class:`BenchConfig`."""
 
@@ -228,6 +287,7 @@ class Plan:
     elastic_reps: int
     """Pairs of cluster runs (static, dynamic) of ``elastic_training``."""
     elastic_job: ElasticJob
+    sparse: SparseBench
 
     def to_dict(self) -> dict:
         return {
@@ -240,7 +300,7 @@ class Plan:
             "tls_size_mib": self.tls_size_mib, "tls_training": _case_dict(self.tls_training),
             "metrics_training": [_case_dict(c) for c in self.metrics_training], "metrics_reps": self.metrics_reps,
             "elastic_training": _case_dict(self.elastic_training), "elastic_reps": self.elastic_reps,
-            "elastic_job": asdict(self.elastic_job),
+            "elastic_job": asdict(self.elastic_job), "sparse": asdict(self.sparse),
         }
 
 
@@ -257,8 +317,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         prog="psbench",
         description="Measure the parameter server against its limits on this machine (loopback): "
         "baselines (raw TCP, bare gRPC, local training), PS goodput, small-call latency, "
-        "training throughput, shard memory, the cost of TLS and of metrics, and dynamic data (elastic workers) "
-        "against the static split. Prints a table and writes JSON.",
+        "training throughput, shard memory, the cost of TLS and of metrics, dynamic data (elastic workers) "
+        "against the static split, and embedding tables on the shards (sparse). Prints a table and writes JSON.",
         epilog="Every flag can also be set as PSBENCH_<FLAG> (e.g. PSBENCH_REPS=3); flags win.",
     )
     add_fields(parser, BenchConfig)

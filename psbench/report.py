@@ -226,6 +226,56 @@ def _elastic(elastic: dict) -> list[str]:
     return lines
 
 
+def _sparse(sparse: dict) -> list[str]:
+    lines: list[str] = []
+    steps = sparse.get("steps")
+    if steps:
+        small, large = steps["tables"][0], steps["tables"][-1]
+
+        def pair(show) -> list[str]:
+            return [show(small), show(large)]
+
+        cpu_ratio = (large["shard_cpu_seconds_per_step"] / small["shard_cpu_seconds_per_step"]
+                     if small["shard_cpu_seconds_per_step"] else None)
+        lines += [f"Sparse rows, step time against table size: the same {steps['steps']} batches of {steps['batch']} x "
+                  f"{steps['features']} Zipf({steps['zipf']}) ids below {steps['id_range']:,} "
+                  f"({steps['rows_per_step']:.0f} distinct rows a step), pull_rows + push_pull, dim {steps['dim']}, "
+                  f"{steps['optimizer']}, {steps['shards']} shards per table; passes alternated, ratio: median over "
+                  "the pairs of passes", *_table(
+            ["figure", f"{small['rows']:,} rows", f"{large['rows']:,} rows", "ratio"],
+            [
+                ["step, median", *pair(lambda t: _ms(t["step_seconds"])), _ratio(steps["ratio"])],
+                ["rows pulled + pushed", *pair(lambda t: _rate(t["row_bytes_per_second"])), ""],
+                ["shard CPU per step", *pair(lambda t: _ms(t["shard_cpu_seconds_per_step"])), _ratio(cpu_ratio)],
+                ["shards' peak RSS (sum)", *pair(lambda t: f"{sum(t['shard_peak_rss_bytes']) / MIB:,.0f} MiB"), ""],
+            ],
+        )]
+    dlrm = sparse.get("dlrm")
+    if dlrm:
+        lines += [*([""] if lines else []),
+                  f"Sparse rows, cluster against local: {dlrm['task']} with {dlrm['rows']:,} rows, batch "
+                  f"{dlrm['batch_size']}, {dlrm['shards']} shards x {dlrm['workers']} async workers vs psworker --local "
+                  "(medians; x local: median of each cluster run over the local run just before it)", *_table(
+            ["figure", "local", "cluster", "x local"],
+            [
+                ["samples/s", f"{dlrm['local_samples_per_second']:,.0f}", f"{dlrm['cluster_samples_per_second']:,.0f}",
+                 _ratio(dlrm["ratio_to_local"])],
+                [f"test AUC (teacher {dlrm['teacher_auc']:.3f}, its dense part alone {dlrm['teacher_dense_auc']:.3f})",
+                 f"{dlrm['local_test_auc']:.3f}", f"{dlrm['cluster_test_auc']:.3f}", ""],
+            ],
+        )]
+    rows = sparse.get("rows")
+    if rows:
+        dense = ("no dense figure" if rows["dense_bytes_per_second"] is None else
+                 f"the dense path's push + pull goodput {_rate(rows['dense_bytes_per_second'])} "
+                 f"({rows['dense_size_mib']} MiB model, {rows['dense_shards']} shards, {rows['dense_source']}): "
+                 f"x {_ratio(rows['ratio_to_dense'])}")
+        lines.append(f"cluster rows per second of training: {rows['rows_pushed_per_second']:,.0f} pushed, "
+                     f"{rows['rows_pulled_per_second']:,.0f} pulled, {_rate(rows['bytes_per_second'])} of rows; "
+                     + dense)
+    return lines
+
+
 def _checks(checks: list[dict]) -> list[str]:
     def verdict(c: dict) -> str:
         return {True: "PASS", False: "FAIL", None: "n/a"}[c["passed"]]
@@ -261,7 +311,7 @@ def render(doc: dict) -> str:
                      + (f" with {len(modified)} modified product file(s): {', '.join(modified)}" if modified else ""))
     for key, render_section in (("baselines", _baselines), ("goodput", _goodput), ("latency", _latency),
                                 ("training", _training), ("memory", _memory), ("tls", _tls),
-                                ("metrics", _metrics), ("elastic", _elastic)):
+                                ("metrics", _metrics), ("elastic", _elastic), ("sparse", _sparse)):
         if doc.get(key):
             lines += ["", *render_section(doc[key])]
     lines += ["", *_checks(doc["checks"])]

@@ -166,6 +166,21 @@ class _Run:
         throughput = measure_elastic_throughput(self.children, self.plan.elastic_training, reps=self.plan.elastic_reps)
         return {"throughput": throughput.to_dict(), **measure_elastic_jobs(self.children, self.plan.elastic_job)}
 
+    def sparse(self) -> dict:
+        from psbench.sparse import DenseReference, dense_reference, measure_dlrm, measure_steps, rows_figures
+
+        bench = self.plan.sparse
+        steps = measure_steps(self.children, bench)
+        dlrm, runs = measure_dlrm(self.children, bench)
+        dense = dense_reference(self.results.get("goodput"), bench.shards)
+        if dense is None:
+            # No goodput section in this run: the smallest model's push + pull rounds, measured now.
+            size = min(self.plan.sizes_mib)
+            result = measure_goodput(self.children, size, bench.shards, reps=self.plan.transfer_reps,
+                                     warmup=self.plan.transfer_warmup)
+            dense = DenseReference(result.bytes_per_second, size, bench.shards, "measured here")
+        return {"steps": steps, "dlrm": dlrm, "rows": rows_figures(bench, runs, dense)}
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _training_data(self) -> None:
@@ -221,7 +236,7 @@ def run(plan: Plan, workdir: Path) -> dict:
         runner = _Run(plan, children, data_path)
         bodies = {"baselines": runner.baselines, "goodput": runner.goodput_section, "latency": runner.latency,
                   "training": runner.training, "memory": runner.memory, "tls": runner.tls,
-                  "metrics": runner.metrics, "elastic": runner.elastic}
+                  "metrics": runner.metrics, "elastic": runner.elastic, "sparse": runner.sparse}
         try:
             for name in plan.sections:
                 runner.section(name, bodies[name])

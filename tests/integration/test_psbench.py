@@ -15,7 +15,7 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic", "sparse")
 
 
 def _numbers(value, path: str):
@@ -95,8 +95,19 @@ def test_quick_run_reports_every_section(tmp_path):
     assert elastic["accuracy"]["static"]["std"] is None  # one run each
     assert (elastic["scaling"]["workers"], elastic["scaling"]["fewer"]) == (job["workers"], job["fewer"])
 
+    # Embedding tables: the same batches against a 100K- and a 10M-row table; dlrm-synth (1M
+    # rows) in a cluster and locally; the cluster's rows against the goodput section's dense path.
+    sparse = doc["sparse"]
+    assert [t["rows"] for t in sparse["steps"]["tables"]] == [100_000, 10_000_000]
+    assert all(t["step_seconds"] > 0 and t["rows_written"] > 0 for t in sparse["steps"]["tables"])
+    assert sparse["dlrm"]["rows"] == 1_000_000 and len(sparse["dlrm"]["cluster_reps"][0]) == 2
+    assert 0.5 < sparse["dlrm"]["cluster_test_auc"] <= 1 and 0.5 < sparse["dlrm"]["teacher_auc"] <= 1
+    # Each step pulls its distinct rows and pushes them: the evaluation's reads set aside, equal.
+    assert sparse["rows"]["rows_pushed_reps"] == sparse["rows"]["rows_pulled_reps"]
+    assert sparse["rows"]["dense_source"] == "goodput section" and sparse["rows"]["ratio_to_dense"] > 0
+
     checks = {c["id"]: c for c in doc["checks"]}
-    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8c"}
+    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8c", "9", "9b"}
     assert all(isinstance(c["passed"], bool) for c in checks.values()), checks
 
     env = doc["environment"]
@@ -104,7 +115,7 @@ def test_quick_run_reports_every_section(tmp_path):
         assert env[key], key
 
     for heading in ("Baselines", "PS goodput", "Small operations", "Training", "Shard memory", "The cost of TLS",
-                    "The cost of metrics", "Dynamic data (elastic workers)", "Checks"):
+                    "The cost of metrics", "Dynamic data (elastic workers)", "Sparse rows", "Checks"):
         assert heading in proc.stdout, f"table lacks {heading!r}:\n{proc.stdout}"
 
 

@@ -46,7 +46,8 @@ def test_only_brings_the_baselines_its_ratios_need():
     assert parse_args(["--only", "training"], env={}).plan().sections == ("training",)
     assert parse_args(["--only", "tls"], env={}).plan().sections == ("tls",)
     assert parse_args([], env={}).plan().sections == ("baselines", "goodput", "latency", "training", "memory",
-                                                      "tls", "metrics", "elastic")
+                                                      "tls", "metrics", "elastic", "sparse")
+    assert parse_args(["--only", "sparse"], env={}).plan().sections == ("sparse",)
 
 
 def test_quick_plan_is_small_and_flags_override_it():
@@ -245,3 +246,79 @@ def test_metrics_check_holds_both_models_within_3_percent(small, large, passed):
     assert next(c for c in _doc()["checks"] if c["id"] == "7")["passed"] is None
     quick = _doc(metrics={"training": [_metrics_run(100, 15_210, small, 1000.0)]})
     assert next(c for c in quick["checks"] if c["id"] == "7")["detail"].endswith("4.3M not measured")
+
+
+def test_sparse_plan_is_the_issues_sizes_and_quick_is_small():
+    full, quick = parse_args([], env={}).plan().sparse, parse_args(["--quick"], env={}).plan().sparse
+    assert (full.small_rows, full.large_rows, full.dim, full.batch, full.features, full.zipf, full.id_range) == \
+        (100_000, 10_000_000, 64, 256, 4, 1.1, 100_000)
+    assert (full.steps, full.step_reps, full.dlrm_rows, full.dlrm_reps) == (200, 5, 1_000_000, 3)
+    assert full.dlrm_local_steps == full.dlrm_workers * full.dlrm_worker_steps
+    assert quick.steps < full.steps and quick.dlrm_worker_steps < full.dlrm_worker_steps
+    assert (quick.step_reps, quick.dlrm_reps) == (1, 1)
+    reps = parse_args(["--reps", "2"], env={}).plan()
+    assert (reps.sparse.step_reps, reps.sparse.dlrm_reps) == (2, 2) and reps.to_dict()["sparse"]["step_reps"] == 2
+
+
+def test_sparse_batches_are_fixed_distinct_ids_both_tables_hold():
+    from psbench.config import QUICK_SPARSE
+    from psbench.sparse import zipf_batches
+
+    batches = zipf_batches(QUICK_SPARSE)
+    assert len(batches) == QUICK_SPARSE.warmup + QUICK_SPARSE.steps
+    for ids, grads in batches:
+        assert ids.dtype == np.int64 and np.all(np.diff(ids) > 0)  # sorted, each id once
+        assert 0 <= ids[0] and ids[-1] < QUICK_SPARSE.id_range
+        assert grads.shape == (ids.size, QUICK_SPARSE.dim) and grads.dtype == np.float32
+    # Zipf: the hot ids are in nearly every batch, and a batch touches far fewer rows than ids.
+    assert all(0 in ids for ids, _ in batches)
+    assert 200 < np.mean([ids.size for ids, _ in batches]) < QUICK_SPARSE.batch * QUICK_SPARSE.features
+    again = zipf_batches(QUICK_SPARSE)
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(batches, again))
+
+
+def test_sparse_dense_reference_is_the_smallest_model_on_two_shards_on_the_lanes():
+    from psbench.sparse import dense_reference
+
+    goodput = [_goodput(4, 1, 600.0), _goodput(64, 2, 900.0), _goodput(4, 2, 700.0),
+               {**_goodput(1, 2, 100.0), "transport": "grpc"}]
+    reference = dense_reference(goodput)
+    assert (reference.bytes_per_second, reference.size_mib, reference.source) == (700.0, 4, "goodput section")
+    assert dense_reference(None) is None and dense_reference([_goodput(4, 1, 600.0)]) is None
+
+
+def _sparse(ratio: float, cluster: float) -> dict:
+    def table(rows: int, seconds: float) -> dict:
+        return {"rows": rows, "step_seconds": seconds, "row_bytes_per_second": 2 * 500 * 256 / seconds,
+                "shard_cpu_seconds_per_step": 0.004, "shard_peak_rss_bytes": [70 * MIB, 70 * MIB]}
+
+    return {
+        "steps": {"steps": 200, "batch": 256, "features": 4, "zipf": 1.1, "id_range": 100_000, "rows_per_step": 500.0,
+                  "dim": 64, "optimizer": "adagrad", "shards": 2, "ratio": ratio,
+                  "tables": [table(100_000, 0.004), table(10_000_000, 0.004 * ratio)]},
+        "dlrm": {"task": "dlrm-synth", "rows": 1_000_000, "batch_size": 256, "shards": 2, "workers": 2,
+                 "local_samples_per_second": 200_000.0, "cluster_samples_per_second": 200_000.0 * cluster,
+                 "ratio_to_local": cluster, "local_test_auc": 0.82, "cluster_test_auc": 0.81, "teacher_auc": 0.845,
+                 "teacher_dense_auc": 0.796},
+        "rows": {"rows_pushed_per_second": 120_000.0, "rows_pulled_per_second": 120_000.0,
+                 "bytes_per_second": 60 * MIB, "dense_bytes_per_second": 700 * MIB, "dense_size_mib": 4,
+                 "dense_shards": 2, "dense_source": "goodput section", "ratio_to_dense": 60 / 700},
+    }
+
+
+@pytest.mark.parametrize(("ratio", "cluster", "passed"), [(1.02, 0.6, (True, True)), (1.5, 0.2, (False, False))])
+def test_sparse_checks_and_table(ratio, cluster, passed):
+    doc = _doc(sparse=_sparse(ratio, cluster))
+    checks = {c["id"]: c for c in doc["checks"]}
+    assert (checks["9"]["passed"], checks["9b"]["passed"]) == passed
+    assert checks["9"]["value"] == ratio and (checks["9"]["comparison"], checks["9"]["threshold"]) == ("<=", 1.3)
+    assert checks["9b"]["value"] == cluster and (checks["9b"]["comparison"], checks["9b"]["threshold"]) == (">=", 0.5)
+    assert checks["9b"]["detail"].endswith("test AUC 0.810 / 0.820, teacher 0.845")
+    text = render(doc)
+    assert "step time against table size" in text and "cluster against local" in text
+    assert f"{ratio:.2f}" in text and "0.09" in text and "700 MiB/s" in text
+    # Left out (or failed), the checks are not measured.
+    assert [c["passed"] for c in _doc()["checks"] if c["id"].startswith("9")] == [None, None]
+    no_dense = _sparse(ratio, cluster)
+    no_dense["rows"].update(dense_bytes_per_second=None, ratio_to_dense=None)
+    assert "no dense figure" in render(_doc(sparse=no_dense))
