@@ -19,6 +19,7 @@ Plain data without a lock: ``ShardStore._lock`` guards every table.
 from __future__ import annotations
 
 import mmap
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,9 @@ __all__ = ["PIECE_BYTES", "NonFiniteRows", "RowTable", "RowUpdate", "coalesce"]
 
 PIECE_BYTES = 64 << 20
 """The most bytes of rows (ids, values and state) one checkpoint piece holds."""
+
+RECENT_READS = 4
+"""Reads whose computed initial values a table keeps for the pushes of the same rows."""
 
 
 class NonFiniteRows(InvalidArgumentError):
@@ -66,8 +70,11 @@ class RowTable:
     rows_written: int = 0
     rows_pushed: int = 0
     rows_pulled: int = 0
+    _recent: deque = field(init=False, repr=False)
+    """The initial values the last few reads computed, as ``(sorted ids, rows)``."""
 
     def __post_init__(self) -> None:
+        self._recent = deque(maxlen=RECENT_READS)
         self.rule = create_row_rule(self.spec.optimizer)
         self.rows = local_rows(self.spec.num_rows, self.shard, self.num_shards)
         shape = (self.rows, self.spec.dim)
@@ -98,7 +105,7 @@ class RowTable:
             check_ids(self.spec, ids, shard=self.shard, num_shards=self.num_shards)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
-        if unique and ids.size > 1:
+        if unique and ids.size > 1 and not (ids[1:] > ids[:-1]).all():  # sorted and distinct: as workers send
             ordered = np.sort(ids)
             repeats = ordered[1:] == ordered[:-1]
             if repeats.any():
@@ -114,8 +121,28 @@ class RowTable:
         out = self.values[index]
         fresh = ~self.written[index]
         if fresh.any():
-            out[fresh] = initial_rows(self.spec, ids[fresh])
+            out[fresh] = self._initial(ids[fresh], keep=True)
         self.rows_pulled += ids.size
+        return out
+
+    def _initial(self, ids: np.ndarray, *, keep: bool = False) -> np.ndarray:
+        """``initial_rows`` of ``ids``, taken from the last reads' where they computed them (a
+        worker pulls a batch's rows and then pushes the same rows, the fresh ones computed once);
+        ``keep``: remember these for the pushes to come."""
+        out = np.empty((ids.size, self.spec.dim), dtype=np.float32)
+        missing = np.ones(ids.size, dtype=bool)
+        for known_ids, known in self._recent:
+            if not missing.any():
+                break
+            want = np.flatnonzero(missing)
+            at = np.minimum(np.searchsorted(known_ids, ids[want]), known_ids.size - 1)
+            hit = known_ids[at] == ids[want]
+            out[want[hit]] = known[at[hit]]
+            missing[want[hit]] = False
+        if missing.any():
+            out[missing] = initial_rows(self.spec, ids[missing])
+        if keep and (ids[1:] > ids[:-1]).all():  # sorted, as searchsorted needs (workers send them so)
+            self._recent.appendleft((ids, out.copy()))
         return out
 
     def prepare(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float = 1.0) -> RowUpdate:
@@ -134,7 +161,7 @@ class RowTable:
         state = {name: buf[index] for name, buf in self.state.items()}
         fresh = ~self.written[index]
         if fresh.any():
-            values[fresh] = initial_rows(self.spec, ids[fresh])
+            values[fresh] = self._initial(ids[fresh])
             for name, rows in self.rule.fresh_state(int(fresh.sum()), self.spec.dim).items():
                 state[name][fresh] = rows
         new_values, new_state = self.rule.compute(values, grads, state, self.step + 1, lr_scale)
