@@ -28,7 +28,9 @@ def test_the_contract_table_lists_every_metric_family():
     contract = contract_metrics()
     shard = {n for n in contract if n.startswith("psserver_")}
     worker = {n for n in contract if n.startswith("psworker_")}
-    assert len(shard) == 24 and len(worker) == 10, sorted(contract)
+    assert len(shard) == 27 and len(worker) == 12, sorted(contract)
+    assert contract["psserver_table_rows"].labels == ("state",) and contract["psserver_table_rows"].type == "gauge"
+    assert contract["psworker_table_rows_total"].type == "counter"
     assert contract["psserver_rpc_duration_seconds"].labels == ("method", "code")
     assert contract["psserver_data_tasks"].labels == ("state",) and contract["psserver_data_tasks"].type == "gauge"
     assert contract["psserver_data_tasks_requeued_total"].type == "counter"
