@@ -31,7 +31,7 @@ from pswire.optim import OptimizerConfig
 
 __all__ = [
     "INITIALIZERS", "MAX_TABLE_ROWS", "TableSpec", "check_ids", "initial_rows", "local_index", "local_rows",
-    "owner",
+    "owner", "splitmix64",
 ]
 
 INITIALIZERS = ("normal", "uniform", "zeros")
@@ -144,16 +144,19 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function of each uint64 counter of ``x`` (wrapping arithmetic): the
+    counter-based generator behind the initial values (and ``dlrm-synth``'s data)."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        return z ^ (z >> np.uint64(31))
 
 
 def _uniform01(counters: np.ndarray) -> np.ndarray:
     """A float64 in [0, 1) per counter: the top 53 bits of SplitMix64."""
-    return (_splitmix64(counters) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return (splitmix64(counters) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def _key(spec: TableSpec) -> np.uint64:

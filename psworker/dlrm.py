@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pswire.tables import splitmix64
 from psworker.embedding import ShardedEmbedding
 from psworker.tasks import Task, TaskDefaults
 
@@ -70,32 +71,19 @@ lower end stays safer with stale gradients."""
 
 _MAX_ROWS = 1 << 40
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        return z ^ (z >> np.uint64(31))
-
-
 def _stream(*parts: int) -> np.uint64:
     """The 64-bit start of the counter stream named by ``parts`` (distinct streams start at
     unrelated points of the 2**64 counters, so they never meet in practice)."""
     key = np.uint64(_DATA_SEED)
     for part in parts:
-        key = _splitmix64(np.asarray(key ^ np.uint64(part), dtype=np.uint64))[()]
+        key = splitmix64(np.asarray(key ^ np.uint64(part), dtype=np.uint64))[()]
     return np.uint64(key)
 
 
 def _uniform(stream: np.uint64, counters: np.ndarray) -> np.ndarray:
     """A float64 in [0, 1) per counter (uint64) of ``stream``: the top 53 bits of SplitMix64."""
     with np.errstate(over="ignore"):
-        bits = _splitmix64(counters + stream)
+        bits = splitmix64(counters + stream)
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
