@@ -205,6 +205,35 @@ def _sparse_cluster(results: dict) -> Check:
     return _check("9b", name, dlrm["ratio_to_local"], ">=", 0.5, detail)
 
 
+def _scale(results: dict, params: int = 1_101_834, shards: int = 2, workers: int = 8,
+           compute_ms: float = 50.0) -> Check:
+    name = f"scaling efficiency, {workers} workers, 1.1M MLP, {shards} shards, {compute_ms:g} ms compute >= 0.85"
+    scale = results.get("scale") or {}
+    runs = scale.get("runs") or []
+    if not runs:
+        return _check("10", name, None, ">=", 0.85, "")
+    # The model nearest the criterion's, then its run with the shard count nearest.
+    width = min(runs, key=lambda r: (abs(r["parameters"] - params), r["parameters"]))["width"]
+    run = min((r for r in runs if r["width"] == width), key=lambda r: (abs(r["shards"] - shards), r["shards"]))
+    point = min(run["points"], key=lambda p: (abs(p["workers"] - workers), -p["workers"]))
+    one = next(p for p in run["points"] if p["workers"] == 1)
+    detail = (f"{point['samples_per_second']:.0f} / ({point['workers']} x {one['samples_per_second']:.0f}) samples/s")
+    if point["shard_cpu_seconds_per_update"] is not None:
+        detail += f"; shard CPU {point['shard_cpu_seconds_per_update'] * 1e3:.2f} ms per update"
+    stand_ins = []
+    if abs(run["parameters"] - params) > params // 10:
+        stand_ins.append(f"{run['parameters']} parameters")
+    if run["shards"] != shards:
+        stand_ins.append(f"{run['shards']} shard(s)")
+    if point["workers"] != workers:
+        stand_ins.append(f"{point['workers']} workers")
+    if scale.get("compute_ms") != compute_ms:
+        stand_ins.append(f"{scale.get('compute_ms'):g} ms compute")
+    if stand_ins:
+        detail += f" (at {', '.join(stand_ins)})"
+    return _check("10", name, point["efficiency"], ">=", 0.85, detail)
+
+
 _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _tcp_ratio,
     lambda r: _size_ratio(r, 1, "2"),
@@ -221,6 +250,7 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _elastic_scaling,
     _sparse_steps,
     _sparse_cluster,
+    _scale,
 )
 
 

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pswire.flags import add_fields, add_version, parse
 
-__all__ = ["SECTIONS", "BenchConfig", "ElasticJob", "Plan", "SparseBench", "TrainingCase", "parse_args",
+__all__ = ["SECTIONS", "BenchConfig", "ElasticJob", "Plan", "ScaleBench", "SparseBench", "TrainingCase", "parse_args",
            "training_case"]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic", "sparse")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic", "sparse", "scale")
 """Every section, in the order they run."""
 
 _NEEDS_BASELINES = ("goodput", "latency")
@@ -53,8 +53,8 @@ class BenchConfig:
                    + ". goodput and latency bring baselines along (their ratios need it).")
     reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 5 for transfers "
                           "and for metrics' and elastic's throughput pairs and sparse's step passes, 3 for training, for "
-                          "elastic's mnist1d-cnn jobs and for sparse's dlrm-synth pairs; --quick: 2 for transfers, "
-                          "else 1).")
+                          "elastic's mnist1d-cnn jobs, for sparse's dlrm-synth pairs and for scale's passes over "
+                          "the worker counts; --quick: 2 for transfers, else 1).")
     sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4). "
                     "tls measures the one nearest 64.")
     widths: str = _f("", "Hidden widths of the training MLPs, comma-separated (default: 100,1024,2048; --quick: 100). "
@@ -122,6 +122,7 @@ class BenchConfig:
             elastic_job=replace(QUICK_ELASTIC_JOB if quick else ELASTIC_JOB, runs=self.reps or (1 if quick else 3)),
             sparse=replace(QUICK_SPARSE if quick else SPARSE, step_reps=self.reps or (1 if quick else 5),
                            dlrm_reps=self.reps or (1 if quick else 3)),
+            scale=replace(QUICK_SCALE if quick else SCALE, reps=self.reps or (1 if quick else SCALE.reps)),
         )
 
 
@@ -257,6 +258,57 @@ QUICK_SPARSE = SparseBench(steps=30, warmup=3, dlrm_worker_steps=60, dlrm_test_e
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScaleBench:
+    """The scale section (``psbench.scale``): how throughput grows with workers whose compute is
+    emulated. Each worker is a light process (``python -m psbench.scale``) that registers the
+    ``40 -> W -> W -> 10`` MLP of each of ``widths`` and steps: ``push_pull`` of a fixed real
+    gradient (one backward pass of a ``batch``-example batch), then a sleep of ``compute_ms``
+    standing for an accelerator's forward and backward, so the cores stay with the shards and the
+    clients. For each width and each of ``shard_counts`` (fresh shards, ``max(workers)`` workers
+    started once and kept), every count of ``workers`` steps together for ``warmup_seconds``, then
+    ``seconds`` timed; ``reps`` passes over the counts (ascending, then descending, alternating)."""
+
+    widths: tuple[int, ...] = (1024, 2048)
+    """1.1M and 4.3M parameters (4.2 and 16.4 MiB of float32)."""
+    shard_counts: tuple[int, ...] = (1, 2)
+    workers: tuple[int, ...] = (1, 2, 4, 8)
+    """Must hold 1: every count's efficiency is against one worker of the same pass."""
+    compute_ms: float = 50.0
+    batch: int = 64
+    """Samples per step (samples/s = steps/s x batch), as the training section's."""
+    warmup_seconds: float = 1.5
+    seconds: float = 5.0
+    reps: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("widths", "shard_counts", "workers"):
+            values = getattr(self, name)
+            if not values or min(values) < 1 or len(set(values)) != len(values):
+                raise ValueError(f"{name} must be distinct integers >= 1, got {values}")
+        if 1 not in self.workers:
+            raise ValueError(f"workers must include 1 (efficiency is against one worker), got {self.workers}")
+        if self.compute_ms < 0 or self.batch < 1 or self.warmup_seconds < 0 or not self.seconds > 0 or self.reps < 1:
+            raise ValueError(f"need compute_ms >= 0, batch >= 1, warmup_seconds >= 0, seconds > 0, reps >= 1: {self}")
+
+    @property
+    def max_workers(self) -> int:
+        return max(self.workers)
+
+    def passes(self) -> list[tuple[int, ...]]:
+        """The worker counts of each repetition: ascending, then descending, alternating (so
+        drift in the machine's load does not always favour the same end)."""
+        ordered = tuple(sorted(self.workers))
+        return [ordered if rep % 2 == 0 else ordered[::-1] for rep in range(self.reps)]
+
+
+# Measured on the 2-core machine: starting 8 workers (torch imported in each) takes 5-13 s, and
+# each configuration then runs reps x counts x (warmup + seconds) = 3 x 4 x 6.5 = 78 s: about
+# 6 minutes for the 4 configurations.
+SCALE = ScaleBench()
+QUICK_SCALE = ScaleBench(widths=(1024,), shard_counts=(2,), workers=(1, 2), warmup_seconds=0.5, seconds=1.5, reps=1)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Everything a run does, resolved from :class:`BenchConfig`."""
 
@@ -288,6 +340,7 @@ class Plan:
     """Pairs of cluster runs (static, dynamic) of ``elastic_training``."""
     elastic_job: ElasticJob
     sparse: SparseBench
+    scale: ScaleBench
 
     def to_dict(self) -> dict:
         return {
@@ -301,6 +354,7 @@ class Plan:
             "metrics_training": [_case_dict(c) for c in self.metrics_training], "metrics_reps": self.metrics_reps,
             "elastic_training": _case_dict(self.elastic_training), "elastic_reps": self.elastic_reps,
             "elastic_job": asdict(self.elastic_job), "sparse": asdict(self.sparse),
+            "scale": asdict(self.scale),
         }
 
 
@@ -318,7 +372,8 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
         description="Measure the parameter server against its limits on this machine (loopback): "
         "baselines (raw TCP, bare gRPC, local training), PS goodput, small-call latency, "
         "training throughput, shard memory, the cost of TLS and of metrics, dynamic data (elastic workers) "
-        "against the static split, and embedding tables on the shards (sparse). Prints a table and writes JSON.",
+        "against the static split, embedding tables on the shards (sparse), and throughput against the number of "
+        "workers whose compute is emulated (scale). Prints a table and writes JSON.",
         epilog="Every flag can also be set as PSBENCH_<FLAG> (e.g. PSBENCH_REPS=3); flags win.",
     )
     add_fields(parser, BenchConfig)

@@ -276,6 +276,41 @@ def _sparse(sparse: dict) -> list[str]:
     return lines
 
 
+def _scale(scale: dict) -> list[str]:
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+    def cores(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = []
+    for run in scale["runs"]:
+        for p in run["points"]:
+            busy = ("-" if p.get("machine_busy_cores") is None else
+                    f"{p['machine_busy_cores']:.2f} / {cores(p.get('external_cores'))}")
+            rows.append([f"W={run['width']} ({run['parameters'] / 1e6:.1f}M, {run['model_bytes'] / MIB:.1f} MiB)",
+                         str(run["shards"]), str(p["workers"]), f"{p['samples_per_second']:,.0f}",
+                         _ratio(p["efficiency"]), _ratio(p.get("predicted_efficiency")), ms(p["step_seconds"]),
+                         ms(p["exchange_seconds"]), ms(p["client_cpu_seconds_per_step"]),
+                         ms(p["shard_cpu_seconds_per_update"]), cores(p["shard_cpu_cores"]),
+                         _rate(p["bytes_per_second"]), busy])
+    lines = [f"Scaling: workers whose step is push_pull of a real gradient, then {scale['compute_ms']:g} ms of "
+             f"emulated compute (a sleep), batch {scale['batch']}, SGD, async; {scale['seconds']:g} s timed per "
+             f"count after {scale['warmup_seconds']:g} s of warm-up, {scale['reps']} pass(es) over the counts; "
+             "efficiency: samples/s over N x one worker's in the same pass (median of the passes); predicted: by the "
+             "sizing rule of docs/scaling.md; shard CPU per update: the shards' CPU over the pushes they applied; "
+             "shard busy: cores the busiest shard used; machine: cores busy, all processes / those not of this section",
+             *_table(["model", "shards", "workers", "samples/s", "efficiency", "predicted", "step ms", "push_pull ms",
+                      "client CPU ms/step", "shard CPU ms/update", "shard busy", "moved", "machine"], rows)]
+    fit = scale.get("cpu_fit")
+    if fit:
+        lines.append(f"CPU, fit over every point above: a shard {fit['shard_seconds_per_update'] * 1e3:.2f} ms "
+                     f"per update + {fit['shard_seconds_per_mib'] * 1e3:.3f} ms per MiB pushed + pulled; a worker "
+                     f"{fit['client_seconds_per_call'] * 1e3:.2f} ms per shard called + "
+                     f"{fit['client_seconds_per_mib'] * 1e3:.3f} ms per MiB")
+    return lines
+
+
 def _checks(checks: list[dict]) -> list[str]:
     def verdict(c: dict) -> str:
         return {True: "PASS", False: "FAIL", None: "n/a"}[c["passed"]]
@@ -311,7 +346,8 @@ def render(doc: dict) -> str:
                      + (f" with {len(modified)} modified product file(s): {', '.join(modified)}" if modified else ""))
     for key, render_section in (("baselines", _baselines), ("goodput", _goodput), ("latency", _latency),
                                 ("training", _training), ("memory", _memory), ("tls", _tls),
-                                ("metrics", _metrics), ("elastic", _elastic), ("sparse", _sparse)):
+                                ("metrics", _metrics), ("elastic", _elastic), ("sparse", _sparse),
+                                ("scale", _scale)):
         if doc.get(key):
             lines += ["", *render_section(doc[key])]
     lines += ["", *_checks(doc["checks"])]

@@ -181,6 +181,11 @@ class _Run:
             dense = DenseReference(result.bytes_per_second, size, bench.shards, "measured here")
         return {"steps": steps, "dlrm": dlrm, "rows": rows_figures(bench, runs, dense)}
 
+    def scale(self) -> dict:
+        from psbench.scale import measure_scale
+
+        return measure_scale(self.children, self.plan.scale)
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _training_data(self) -> None:
@@ -236,7 +241,8 @@ def run(plan: Plan, workdir: Path) -> dict:
         runner = _Run(plan, children, data_path)
         bodies = {"baselines": runner.baselines, "goodput": runner.goodput_section, "latency": runner.latency,
                   "training": runner.training, "memory": runner.memory, "tls": runner.tls,
-                  "metrics": runner.metrics, "elastic": runner.elastic, "sparse": runner.sparse}
+                  "metrics": runner.metrics, "elastic": runner.elastic, "sparse": runner.sparse,
+                  "scale": runner.scale}
         try:
             for name in plan.sections:
                 runner.section(name, bodies[name])

@@ -15,7 +15,7 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic", "sparse")
+SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "metrics", "elastic", "sparse", "scale")
 
 
 def _numbers(value, path: str):
@@ -40,6 +40,8 @@ def _plausible(path: str, n: float) -> bool:
         return math.isfinite(n)
     if leaf == "seed":  # a name, not a figure
         return n >= 0
+    if leaf == "external_cores":  # the load of other processes: none on a quiet machine
+        return math.isfinite(n) and n >= 0
     # A dynamic-data worker of a quick run's short job may find every task taken, or none
     # to wait for; and a run's workers may start in the same millisecond.
     idle = re.search(r"(worker_examples|dynamic_data_tasks|dynamic_wait_seconds|skew_seconds)\[", path)
@@ -106,8 +108,18 @@ def test_quick_run_reports_every_section(tmp_path):
     assert sparse["rows"]["rows_pushed_reps"] == sparse["rows"]["rows_pulled_reps"]
     assert sparse["rows"]["dense_source"] == "goodput section" and sparse["rows"]["ratio_to_dense"] > 0
 
+    # Scaling: the quick grid is the 1.1M MLP on 2 shards, 1 and 2 workers of emulated compute.
+    scale = doc["scale"]
+    (run,) = scale["runs"]
+    assert (run["parameters"], run["shards"], run["model_bytes"]) == (1_101_834, 2, 4 * 1_101_834)
+    assert [p["workers"] for p in run["points"]] == [1, 2] and run["points"][0]["efficiency"] == 1.0
+    for point in run["points"]:
+        assert [len(w) for w in point["worker_steps_reps"]] == [point["workers"]]
+        assert len(point["shard_updates_reps"][0]) == 2  # each shard's pushes applied in the window
+    assert scale["cpu_fit"] is None  # one model and shard count: no fit to make
+
     checks = {c["id"]: c for c in doc["checks"]}
-    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8c", "9", "9b"}
+    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8c", "9", "9b", "10"}
     assert all(isinstance(c["passed"], bool) for c in checks.values()), checks
 
     env = doc["environment"]
@@ -115,7 +127,7 @@ def test_quick_run_reports_every_section(tmp_path):
         assert env[key], key
 
     for heading in ("Baselines", "PS goodput", "Small operations", "Training", "Shard memory", "The cost of TLS",
-                    "The cost of metrics", "Dynamic data (elastic workers)", "Sparse rows", "Checks"):
+                    "The cost of metrics", "Dynamic data (elastic workers)", "Sparse rows", "Scaling", "Checks"):
         assert heading in proc.stdout, f"table lacks {heading!r}:\n{proc.stdout}"
 
 

@@ -46,8 +46,9 @@ def test_only_brings_the_baselines_its_ratios_need():
     assert parse_args(["--only", "training"], env={}).plan().sections == ("training",)
     assert parse_args(["--only", "tls"], env={}).plan().sections == ("tls",)
     assert parse_args([], env={}).plan().sections == ("baselines", "goodput", "latency", "training", "memory",
-                                                      "tls", "metrics", "elastic", "sparse")
+                                                      "tls", "metrics", "elastic", "sparse", "scale")
     assert parse_args(["--only", "sparse"], env={}).plan().sections == ("sparse",)
+    assert parse_args(["--only", "scale"], env={}).plan().sections == ("scale",)
 
 
 def test_quick_plan_is_small_and_flags_override_it():
@@ -322,3 +323,183 @@ def test_sparse_checks_and_table(ratio, cluster, passed):
     no_dense = _sparse(ratio, cluster)
     no_dense["rows"].update(dense_bytes_per_second=None, ratio_to_dense=None)
     assert "no dense figure" in render(_doc(sparse=no_dense))
+
+
+# -- scale -------------------------------------------------------------------------------------------
+
+def test_scale_plan_is_the_issues_grid_and_quick_is_small():
+    from psbench.config import ScaleBench
+
+    full, quick = parse_args([], env={}).plan().scale, parse_args(["--quick"], env={}).plan().scale
+    assert (full.widths, full.shard_counts, full.workers, full.compute_ms) == ((1024, 2048), (1, 2), (1, 2, 4, 8), 50.0)
+    assert [training_case(w).parameters for w in full.widths] == [1_101_834, 4_300_810]
+    # The whole grid stays within a few minutes: counts x passes x (warm-up + timed window).
+    timed = len(full.widths) * len(full.shard_counts) * len(full.workers) * full.reps
+    assert timed * (full.warmup_seconds + full.seconds) <= 360
+    assert quick.max_workers < full.max_workers and quick.seconds < full.seconds and quick.reps == 1
+    assert 1 in quick.workers and len(quick.widths) * len(quick.shard_counts) == 1
+    assert parse_args(["--reps", "2"], env={}).plan().scale.reps == 2
+    assert parse_args([], env={}).plan().to_dict()["scale"]["workers"] == (1, 2, 4, 8)
+    # Ascending, then descending: drift in the load does not always favour the same end.
+    assert ScaleBench(workers=(4, 1, 2), reps=3).passes() == [(1, 2, 4), (4, 2, 1), (1, 2, 4)]
+
+
+@pytest.mark.parametrize("kwargs", [{"workers": (2, 4)}, {"workers": (1, 1, 2)}, {"widths": ()},
+                                    {"shard_counts": (0,)}, {"seconds": 0}, {"compute_ms": -1}, {"reps": 0}])
+def test_bad_scale_settings_are_refused(kwargs):
+    from psbench.config import ScaleBench
+
+    with pytest.raises(ValueError):
+        ScaleBench(**kwargs)
+
+
+def test_a_workers_window_counts_from_its_first_completed_step_to_its_last():
+    from psbench.scale import window_figures
+
+    window = window_figures([10.0, 10.06, 10.12, 10.18, 10.30], [0.01, 0.01, 0.02, 0.01, 0.07],
+                            [1.0, 1.004, 1.008, 1.012, 1.016])
+    assert window.steps == 5 and window.steps_per_second == pytest.approx(4 / 0.3)
+    assert window.exchange_seconds == 0.01 and window.exchange_p90_seconds == pytest.approx(0.05)
+    assert window.client_cpu_seconds_per_step == pytest.approx(0.004)
+    with pytest.raises(ValueError):
+        window_figures([10.0], [0.01], [1.0])
+    with pytest.raises(ValueError):
+        window_figures([10.0, 10.0], [0.01, 0.01], [1.0, 1.0])
+
+
+def _pass(rates: list[float], cpu: list[float], updates: list[int], seconds: float = 5.0):
+    from psbench.scale import PassFigures, WorkerWindow
+
+    return PassFigures([WorkerWindow(int(r * seconds), r, 0.005, 0.008, 0.003) for r in rates], cpu, updates,
+                       seconds, 1.5 * seconds)
+
+
+def test_scale_efficiency_pairs_each_count_with_one_worker_of_the_same_pass():
+    from psbench.scale import point_figures
+
+    # Pass 2 ran on a slower machine for everybody: its ratio still counts as measured together.
+    single = [_pass([18.0], [0.2, 0.2], [90, 90]), _pass([9.0], [0.1, 0.1], [45, 45])]
+    four = [_pass([17.0] * 4, [0.7, 0.7], [340, 340]), _pass([8.0] * 4, [0.4, 0.4], [160, 160])]
+    point = point_figures(4, four, single, batch=64, model_bytes=4 * MIB, shard_bytes=[2 * MIB, 2 * MIB])
+    assert point["efficiency_reps"] == pytest.approx([68 / 72, 32 / 36])
+    assert point["efficiency"] == pytest.approx((68 / 72 + 32 / 36) / 2)
+    assert point["samples_per_second"] == pytest.approx(64 * (68 + 32) / 2)
+    assert point["shard_cpu_seconds_per_update_reps"] == pytest.approx([1.4 / 680, 0.8 / 320])
+    # Each shard moves its 2 MiB up and down per update.
+    assert point["shard_cpu_seconds_per_mib"] == pytest.approx(point["shard_cpu_seconds_per_update"] / 4)
+    assert point["shard_cpu_cores"] == pytest.approx((0.7 + 0.4) / 2 / 5)
+    assert point["bytes_per_second"] == pytest.approx((68 + 32) / 2 * 8 * MIB)
+    assert point["machine_busy_cores"] == pytest.approx(1.5)
+    assert point_figures(1, single, single, batch=64, model_bytes=MIB, shard_bytes=[MIB])["efficiency"] == 1.0
+
+
+def test_linear_fit_recovers_a_line():
+    from psbench.scale import linear_fit
+
+    assert linear_fit([4.0, 8.0, 16.0, 32.0], [0.5 + 0.25 * x for x in (4, 8, 16, 32)]) == pytest.approx((0.5, 0.25))
+    with pytest.raises(ValueError):
+        linear_fit([4.0, 4.0], [1.0, 2.0])
+
+
+def test_scale_cost_fits_split_calls_from_bytes():
+    from psbench.scale import cost_fits
+
+    def run(width: int, shards: int) -> dict:
+        model_bytes = 4 * training_case(width).parameters
+        moved = 2 * model_bytes / MIB
+        # Under load an update costs a little more or less than alone: the fit goes between.
+        return {"width": width, "shards": shards, "model_bytes": model_bytes, "points": [
+            {"workers": n, "shard_cpu_seconds_per_update": 1.5e-3 + 3e-4 * moved / shards + noise,
+             "client_cpu_seconds_per_step": 1.3e-3 * shards + 1.6e-4 * moved - noise}
+            for n, noise in ((1, 1e-4), (8, -1e-4))]}
+
+    fits = cost_fits([run(w, s) for w in (1024, 2048) for s in (1, 2)])
+    assert fits == pytest.approx({"shard_seconds_per_update": 1.5e-3, "shard_seconds_per_mib": 3e-4,
+                                  "client_seconds_per_call": 1.3e-3, "client_seconds_per_mib": 1.6e-4})
+    assert cost_fits([run(1024, 2)]) is None  # a quick run: one model, one shard count
+
+
+def test_the_sizing_rule_inflates_the_exchange_with_the_cores_load():
+    from psbench.scale import predicted_exchange
+
+    rule = {"compute_seconds": 0.05, "uncontended_seconds": 0.005, "cpu_per_step": 0.01, "cores": 2.0}
+    one = predicted_exchange(1, **rule)
+    # E = E0 / (1 - U) with U = X * cpu / cores and X = workers / (compute + E), solved together.
+    assert one == pytest.approx(0.005 / (1 - 1 / (0.05 + one) * 0.01 / 2), rel=1e-9)
+    eight = predicted_exchange(8, **rule)
+    assert eight == pytest.approx(0.005 / (1 - 8 / (0.05 + eight) * 0.01 / 2), rel=1e-9)
+    assert one < eight < predicted_exchange(64, **rule)
+    # Past the cores' capacity, throughput is the capacity: cores / CPU per step.
+    assert 64 / (0.05 + predicted_exchange(64, **rule)) < 2.0 / 0.01
+    assert predicted_exchange(8, **rule, external_cores=1.0) > eight
+    assert predicted_exchange(1, **rule, external_cores=2.0) == float("inf")
+
+
+def test_predicted_efficiency_is_one_for_one_worker_and_falls_with_more():
+    from psbench.scale import predict
+
+    run = _scale_doc(0.8)["runs"][1]
+    for point in run["points"]:
+        point["external_cores"] = 0.0
+    fits = {"shard_seconds_per_update": 1.5e-3, "shard_seconds_per_mib": 3e-4, "client_seconds_per_call": 1.3e-3,
+            "client_seconds_per_mib": 1.6e-4}
+    predict([run], fits, 0.05, 2.0)
+    one, eight = run["points"]
+    assert one["predicted_efficiency"] == pytest.approx(1.0)
+    assert one["predicted_exchange_seconds"] == pytest.approx(0.006)  # the one worker's own
+    assert 0.5 < eight["predicted_efficiency"] < 1.0
+    # Other load beside the eight workers lowers their prediction; beside the one, raises it.
+    alone = eight["predicted_efficiency"]
+    eight["external_cores"] = 0.5
+    predict([run], fits, 0.05, 2.0)
+    loaded = eight["predicted_efficiency"]
+    eight["external_cores"], one["external_cores"] = 0.0, 0.5
+    predict([run], fits, 0.05, 2.0)
+    assert loaded < alone < eight["predicted_efficiency"] and one["predicted_efficiency"] == 1.0
+
+
+def test_the_scale_control_file_is_replaced_whole(tmp_path):
+    from psbench.scale import _read_control, write_control
+
+    path = tmp_path / "control"
+    assert _read_control(path) is None
+    write_control(path, {"phase": 1, "active": 2, "start": 1.0, "end": 2.0})
+    write_control(path, {"phase": 2, "stop": True})
+    assert _read_control(path) == {"phase": 2, "stop": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["control"]
+
+
+def _scale_doc(efficiency: float, *, workers: int = 8, width: int = 1024, compute_ms: float = 50.0) -> dict:
+    def point(n: int, eff: float) -> dict:
+        return {"workers": n, "samples_per_second": 1100.0 * n * eff, "efficiency": eff, "step_seconds": 0.056,
+                "exchange_seconds": 0.006, "client_cpu_seconds_per_step": 0.0035,
+                "shard_cpu_seconds_per_update": 0.0024, "shard_cpu_cores": 0.05 * n,
+                "bytes_per_second": 1e8 * n, "machine_busy_cores": 0.3 * n}
+
+    parameters = training_case(width).parameters
+    runs = [{"width": width, "parameters": parameters, "model_bytes": 4 * parameters, "shards": shards,
+             "points": [point(1, 1.0), point(workers, efficiency - 0.1 * (shards == 1))]} for shards in (1, 2)]
+    return {"compute_ms": compute_ms, "batch": 64, "seconds": 5.0, "warmup_seconds": 1.5, "reps": 3, "runs": runs,
+            "cpu_fit": {"shard_seconds_per_update": 4e-4, "shard_seconds_per_mib": 5e-4,
+                        "client_seconds_per_call": 1.2e-3, "client_seconds_per_mib": 1.5e-4}}
+
+
+@pytest.mark.parametrize(("efficiency", "passed"), [(0.9, True), (0.8, False)])
+def test_scale_check_is_the_1m_mlp_on_2_shards_at_8_workers(efficiency, passed):
+    doc = _doc(scale=_scale_doc(efficiency))
+    check = next(c for c in doc["checks"] if c["id"] == "10")
+    assert check["passed"] is passed and check["value"] == efficiency  # 2 shards, not the 1-shard run
+    assert (check["comparison"], check["threshold"]) == (">=", 0.85)
+    assert check["detail"] == f"{8800 * efficiency:.0f} / (8 x 1100) samples/s; shard CPU 2.40 ms per update"
+    text = render(doc)
+    assert "Scaling: workers whose step is push_pull" in text and "0.40 ms per update + 0.500 ms per MiB" in text
+    assert "a worker 1.20 ms per shard called + 0.150 ms per MiB" in text
+    assert f"{efficiency:.2f}" in text and "W=1024 (1.1M, 4.2 MiB)" in text
+
+
+def test_scale_check_names_its_stand_ins_and_is_not_measured_without_the_section():
+    assert next(c for c in _doc()["checks"] if c["id"] == "10")["passed"] is None
+    quick = next(c for c in _doc(scale=_scale_doc(0.95, workers=2))["checks"] if c["id"] == "10")
+    assert quick["passed"] is True and quick["detail"].endswith("(at 2 workers)")
+    other = next(c for c in _doc(scale=_scale_doc(0.95, width=2048, compute_ms=20.0))["checks"] if c["id"] == "10")
+    assert other["detail"].endswith("(at 4300810 parameters, 20 ms compute)")
