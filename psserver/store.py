@@ -4,10 +4,11 @@ calls, and the consistency decisions come from ``psserver.consistency``.
 
 The store is one class over one lock; its concepts live in modules of their own, as mixins that
 share its state and its lock: ``psserver.membership`` (registration, sessions, leases,
-leaving), ``psserver.lifecycle`` (checkpoint copies, restore, the job's end) and
-``psserver.reports`` (status and metrics readings). This module holds the state itself, the
-updates (initialisation, pushes, sync clocks), the reads (pulls and their waits) and the job's
-dynamic data.
+leaving), ``psserver.lifecycle`` (checkpoint copies, restore, the job's end),
+``psserver.reports`` (status and metrics readings) and ``psserver.reads`` (pulls, reads of table
+rows, and their waits). This module holds the state itself (the embedding tables' rows in
+``psserver.tables``), the updates (initialisation, pushes of variables and rows, sync clocks)
+and the job's dynamic data.
 
 Every method either completes or raises a ``pswire.errors`` error with the state unchanged.
 """
@@ -23,11 +24,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from pswire.codec import Part, dtype_name, on_wire
+from pswire.codec import Part, dtype_name
 from pswire.data import DataPlan, DataTask
-from pswire.dtypes import DType
+from pswire.errors import FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from pswire.wire import rows_from_proto
-from pswire.errors import DeadlineError, FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from psserver import consistency as cons
 from psserver.consistency import Mode, PushAction
 from psserver.dataqueue import DataQueue
@@ -35,12 +35,13 @@ from psserver.job import Registration, check_count, check_finite
 from psserver.lifecycle import RESTORE_ID_GAP, Lifecycle
 from psserver.membership import Membership
 from psserver.optimizers import UpdateRule
+from psserver.reads import Reads
 from psserver.reports import Reports
-from psserver.tables import NonFiniteRows, RowTable, RowUpdate, coalesce
 from psserver.state import (
     Counters, EndedJob, EndedJobs, PulledPart, PullSnapshot, PushResult, Reading, RegisterResult, ShardState, Slot,
     SyncClock, Worker,
 )
+from psserver.tables import NonFiniteRows, RowTable, RowUpdate, coalesce
 
 __all__ = [
     "RESTORE_ID_GAP", "EndedJob", "NonFiniteError", "PullSnapshot", "PulledPart", "PushResult", "Reading",
@@ -56,13 +57,13 @@ class NonFiniteError(InvalidArgumentError):
     counted apart from other refusals)."""
 
 
-class ShardStore(Membership, Lifecycle, Reports):
+class ShardStore(Membership, Lifecycle, Reports, Reads):
     """The variables and optimizer state of one shard.
 
     Locking: ``_lock`` guards every attribute assigned after it in ``__init__`` (and in
     ``_reset_job``); ``_changed`` is a condition on the same lock, notified whenever readiness,
     clocks or membership change. It is the one lock of the store and of its mixins
-    (``Membership``, ``Lifecycle``, ``Reports``), which have none of their own: each public
+    (``Membership``, ``Lifecycle``, ``Reports``, ``Reads``), which have none of their own: each public
     method takes it, and each underscored helper that says "caller holds _lock" runs only under
     it. The lock is held while an update is applied and while a pull takes its snapshot (it
     holds the variables themselves; an update meanwhile goes to a copy), never while waiting on
@@ -449,181 +450,6 @@ class ShardStore(Membership, Lifecycle, Reports):
             self._counters.pushes_received += received
             self._counters.pushes_fenced += isinstance(error, FencedError)
             self._counters.pushes_nonfinite += isinstance(error, NonFiniteError)
-
-    # -- reads ------------------------------------------------------------------------------
-
-    def _wait(
-        self, ready: Callable[[], bool], deadline: float, on_timeout: Callable[[], Exception],
-        waiting_for: str | None = None,
-    ) -> None:
-        # Caller holds _lock (through _changed). Waiting pulls are capped; see __init__.
-        # ``waiting_for``: the worker a wait on the consistency bound waits for (counted).
-        if ready():
-            return
-        if self._waiting_pulls >= self._max_waiting_pulls:
-            raise NotReadyError(f"{self._waiting_pulls} pulls already waiting on this shard; retry")
-        if waiting_for is not None:
-            waits = self._counters.pull_waits
-            waits[waiting_for] = waits.get(waiting_for, 0) + 1
-        self._waiting_pulls += 1
-        started = self._now()
-        try:
-            while not ready():
-                remaining = deadline - self._now()
-                if remaining <= 0 or not self._changed.wait(timeout=remaining):
-                    if not ready():
-                        raise on_timeout()
-        finally:
-            self._waiting_pulls -= 1
-            self._counters.pull_wait_seconds += self._now() - started
-
-    def wait_ready(self, timeout: float, *, worker_id: int = 0) -> None:
-        """Block until initialised; raises ``NotReadyError`` after ``timeout`` seconds, and at
-        once the error of a ``worker_id`` the shard stops knowing meanwhile (its job ended)."""
-        with self._changed:
-            self._wait(
-                lambda: self._state is ShardState.READY or bool(worker_id) and worker_id not in self._by_id,
-                self._now() + timeout,
-                lambda: NotReadyError(
-                    f"shard not initialised after {timeout:.1f}s"
-                    + (f" (waiting for worker id {self._initializer})" if self._initializer else "")
-                ),
-            )
-
-    def pull(
-        self,
-        known_versions: Mapping[str, int],
-        *,
-        timeout: float,
-        worker_id: int = 0,
-        generation: int = 0,
-        clock: int = -1,
-        wire_dtype: DType | None = None,
-        session: bytes | None = None,
-    ) -> PullSnapshot:
-        """A consistent snapshot of every part; parts whose version equals
-        ``known_versions[key]`` are skipped. The snapshot holds the variables themselves, without
-        a copy, until it is released (release it once its bytes are sent). ``wire_dtype``
-        (float16/bfloat16): floating-point parts come as copies converted to it.
-
-        Waits up to ``timeout`` for initialisation and, for a registered worker reading at
-        ``clock >= 0`` in ssp/sync, until the consistency bound lets it read. Such a training
-        pull must come from the worker's current registration: a worker fenced off (evicted, or
-        the shard restored) gets ``FencedError`` rather than waiting on a clock this shard may
-        never reach. Raises ``NotReadyError`` (not initialised, or too many pulls waiting) or
-        ``DeadlineError`` naming the worker it waited for.
-        """
-        deadline = self._admit_reader(worker_id, generation, session, clock, timeout)
-        with self._changed:
-            self._await_bound(worker_id, generation, session, clock, deadline)
-            out, held = [], []
-            for slot in self._slots.values():
-                if known_versions.get(slot.part.key) == slot.version:
-                    out.append(PulledPart(slot.part, slot.version, None))
-                elif on_wire(slot.part, wire_dtype) is not slot.part:
-                    out.append(PulledPart(slot.part, slot.version, slot.value.astype(wire_dtype.numpy)))
-                else:
-                    slot.readers += 1
-                    held.append((slot, slot.value))
-                    out.append(PulledPart(slot.part, slot.version, slot.value))
-            self._counters.pulls_served += 1
-            return PullSnapshot(self._version, self._current_clock(), out, lambda: self._release(held))
-
-    def pull_rows(
-        self,
-        requests: Sequence[tuple[str, np.ndarray]],
-        *,
-        timeout: float,
-        worker_id: int = 0,
-        generation: int = 0,
-        clock: int = -1,
-        session: bytes | None = None,
-    ) -> tuple[int, int, list[tuple[str, np.ndarray, np.ndarray]]]:
-        """Rows of the job's tables: ``(version, clock, [(table, ids, values)])`` for each
-        ``(table, ids)`` asked (copies; initial values for rows never written). Waits as
-        :meth:`pull` does, and raises as it does, plus ``InvalidArgumentError`` for an unknown
-        table or an id outside the table or on another shard (nothing is read then)."""
-        deadline = self._admit_reader(worker_id, generation, session, clock, timeout)
-        with self._changed:
-            self._await_bound(worker_id, generation, session, clock, deadline)
-            located = []
-            for name, ids in requests:
-                table = self._tables.get(name)
-                if table is None:
-                    known = ", ".join(repr(t) for t in self._tables) or "none"
-                    raise InvalidArgumentError(f"unknown table {name!r} (the job's tables: {known})")
-                table.locate(ids, unique=False)  # every request checked before any is read
-                located.append((name, table, ids))
-            out = [(name, ids, table.read(ids)) for name, table, ids in located]
-            self._counters.pulls_served += 1
-            return self._version, self._current_clock(), out
-
-    def rows_bytes(self, requests: Sequence[tuple[str, np.ndarray]]) -> int:
-        """Bytes of values a read of ``requests`` would answer with (0 for unknown tables, which
-        the read itself refuses)."""
-        with self._lock:
-            return sum(ids.size * self._tables[name].spec.row_bytes for name, ids in requests if name in self._tables)
-
-    def _admit_reader(self, worker_id: int, generation: int, session: bytes | None, clock: int,
-                      timeout: float) -> float:
-        # The checks of a read before it waits for the shard to be ready, which it then does;
-        # returns the read's deadline.
-        check_count("clock", max(clock, 0))
-        deadline = self._now() + timeout
-        with self._lock:
-            if worker_id and worker_id not in self._by_id:
-                # The shard lost its state (restarted without a checkpoint) or its job ended:
-                # waiting would not help.
-                raise self._unknown(worker_id)
-            if worker_id and session is not None:
-                worker = self._by_id[worker_id]
-                if not (worker.secret and hmac.compare_digest(session, worker.secret)):
-                    # A read as a worker is that worker's: only its session may make it.
-                    self._check_worker(worker_id, generation, session)
-        self.wait_ready(timeout, worker_id=worker_id)
-        return deadline
-
-    def _await_bound(self, worker_id: int, generation: int, session: bytes | None, clock: int,
-                     deadline: float) -> None:
-        # Caller holds _lock (through _changed). A training read (a worker's, at clock >= 0)
-        # waits until the consistency bound lets it read.
-        if worker_id and worker_id not in self._by_id:
-            raise self._unknown(worker_id)
-        job = self._job
-        assert job is not None
-        if clock >= 0 and worker_id:
-            reader = self._check_worker(worker_id, generation, session)
-            if job.consistency.mode is not Mode.ASYNC:
-                self._wait_for_bound(job.consistency, reader, clock, deadline)
-                self._check_worker(worker_id, generation, session)  # it may have been evicted meanwhile
-
-    def _release(self, held: list[tuple[Slot, np.ndarray]]) -> None:
-        with self._lock:
-            for slot, value in held:
-                if slot.value is value:  # else an update already moved to a copy
-                    slot.readers -= 1
-
-    def _wait_for_bound(self, consistency: cons.Consistency, reader: Worker, clock: int, deadline: float) -> None:
-        # Caller holds _lock. Also ends when the reader is fenced off or leaves while it waits.
-        name, generation = reader.name, reader.generation
-
-        def decide() -> cons.PullDecision:
-            return cons.decide_pull(consistency, clock, self._member_clocks(), self._open_clock)
-
-        def void() -> bool:
-            return reader.generation != generation or bool(reader.fenced) or reader.evicted or not reader.live
-
-        first = decide()
-        if first.proceed:
-            return
-        log.debug("pull of %s at clock %d waits for %s: %s", name, clock, first.waiting_for, first.reason)
-
-        def timed_out() -> Exception:
-            last = decide()
-            return DeadlineError(f"pull of {name} at clock {clock} timed out waiting for {last.waiting_for}: {last.reason}")
-
-        self._wait(lambda: void() or decide().proceed, deadline, timed_out,
-                   waiting_for=first.waiting_for or "")
 
     # -- dynamic data ------------------------------------------------------------------------
 
