@@ -32,7 +32,6 @@ import numpy as np
 from pswire.codec import Part
 from pswire.dtypes import dtype_of
 from pswire.errors import InvalidArgumentError
-from pswire.optim import OptimizerConfig
 from pswire.placement import Placement
 from pswire.tables import TableSpec, check_ids, initial_rows
 from psserver.checkpoint import CheckpointError, CheckpointStore, ShardPart
@@ -247,12 +246,6 @@ def _assemble(found: list[tuple[int, Part]], parts: list[ShardPart], tensor: Cal
     return arrays[0].copy()
 
 
-def _table_spec(doc: dict) -> TableSpec:
-    return TableSpec(name=str(doc["name"]), num_rows=int(doc["num_rows"]), dim=int(doc["dim"]),
-                     optimizer=OptimizerConfig.from_dict(doc["optimizer"]), init=str(doc["init"]),
-                     init_scale=float(doc["init_scale"]), seed=int(doc["seed"]))
-
-
 def _tables_of(parts: list[ShardPart]) -> dict[str, CheckpointTable]:
     """Every table of the job from the parts' pieces (``psserver.snapshot``: each part's pieces
     numbered from 0 across the job's tables in order, ``metadata["tables"][i]["pieces"]`` of
@@ -260,7 +253,7 @@ def _tables_of(parts: list[ShardPart]) -> dict[str, CheckpointTable]:
     docs = [part.metadata["job"].get("tables", []) for part in parts]
     if any(d != docs[0] for d in docs[1:]):
         raise ValueError("its parts disagree on the job's embedding tables")
-    specs = [_table_spec(d) for d in docs[0]]
+    specs = [TableSpec.from_dict(d) for d in docs[0]]
     if len({s.name for s in specs}) != len(specs):
         raise ValueError("two of the job's embedding tables have one name")
     found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {s.name: [] for s in specs}

@@ -156,9 +156,9 @@ class Reads:
                 if table is None:
                     known = ", ".join(repr(t) for t in self._tables) or "none"
                     raise InvalidArgumentError(f"unknown table {name!r} (the job's tables: {known})")
-                table.locate(ids, unique=False)  # every request checked before any is read
-                located.append((name, table, ids))
-            out = [(name, ids, table.read(ids)) for name, table, ids in located]
+                # Every request is checked before any is read.
+                located.append((name, table, ids, table.locate(ids, unique=False)))
+            out = [(name, ids, table.read(ids, index)) for name, table, ids, index in located]
             self._counters.pulls_served += 1
             return self._version, self._current_clock(), out
 

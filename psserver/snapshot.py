@@ -19,12 +19,12 @@ from pswire.dtypes import dtype_of
 from pswire.errors import InvalidArgumentError
 from pswire.consistency import Consistency
 from pswire.optim import OptimizerConfig
-from pswire.tables import TableSpec
+from pswire.tables import TableSpec, coalesce
 from psserver.consistency import PushAction
 from psserver.job import MAX_COUNT, Registration
 from psserver.optimizers import UpdateRule, create_update_rule
 from psserver.state import Counters, PushResult, Slot, SyncClock, Worker
-from psserver.tables import RowTable, coalesce
+from psserver.tables import RowTable
 
 __all__ = ["FORMAT", "Decoded", "Position", "decode", "encode", "encode_job"]
 
@@ -44,11 +44,7 @@ def encode_job(job: Registration) -> dict[str, Any]:
             "stale_policy": job.consistency.stale_policy.value,
         },
         "parts": [[p.name, list(p.full_shape), dtype_name(p.dtype), p.row_start, p.row_end] for p in job.parts],
-        "tables": [
-            {"name": t.name, "num_rows": t.num_rows, "dim": t.dim, "optimizer": t.optimizer.to_dict(), "init": t.init,
-             "init_scale": t.init_scale, "seed": t.seed}
-            for t in job.tables
-        ],
+        "tables": [t.to_dict() for t in job.tables],
     }
 
 
@@ -69,12 +65,7 @@ def _decode_job(doc: dict[str, Any]) -> Registration:
         optimizer=OptimizerConfig.from_dict(doc["optimizer"]),
         job_fingerprint=str(doc["job_fingerprint"]),
         consistency=Consistency(**doc["consistency"]),
-        tables=tuple(
-            TableSpec(name=str(t["name"]), num_rows=int(t["num_rows"]), dim=int(t["dim"]),
-                      optimizer=OptimizerConfig.from_dict(t["optimizer"]), init=str(t["init"]),
-                      init_scale=float(t["init_scale"]), seed=int(t["seed"]))
-            for t in doc.get("tables", [])
-        ),
+        tables=tuple(TableSpec.from_dict(t) for t in doc.get("tables", [])),
     )
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from pswire.codec import Part, dtype_name
 from pswire.data import DataPlan, DataTask
+from pswire.tables import coalesce
 from pswire.errors import FencedError, InvalidArgumentError, NotReadyError, PreconditionError
 from pswire.wire import rows_from_proto
 from psserver import consistency as cons
@@ -41,7 +42,7 @@ from psserver.state import (
     Counters, EndedJob, EndedJobs, PulledPart, PullSnapshot, PushResult, Reading, RegisterResult, ShardState, Slot,
     SyncClock, Worker,
 )
-from psserver.tables import NonFiniteRows, RowTable, RowUpdate, coalesce
+from psserver.tables import NonFiniteRows, RowTable, RowUpdate
 
 __all__ = [
     "RESTORE_ID_GAP", "EndedJob", "NonFiniteError", "PullSnapshot", "PulledPart", "PushResult", "Reading",

@@ -28,7 +28,7 @@ from pswire.errors import InvalidArgumentError
 from pswire.tables import TableSpec, check_ids, initial_rows, local_index, local_rows
 from psserver.rowopt import RowRule, create_row_rule
 
-__all__ = ["PIECE_BYTES", "NonFiniteRows", "RowTable", "RowUpdate", "coalesce"]
+__all__ = ["PIECE_BYTES", "NonFiniteRows", "RowTable", "RowUpdate"]
 
 PIECE_BYTES = 64 << 20
 """The most bytes of rows (ids, values and state) one checkpoint piece holds."""
@@ -115,9 +115,9 @@ class RowTable:
                 )
         return local_index(ids, self.num_shards)
 
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """A copy of rows ``ids`` (validated), initial values for rows never written."""
-        index = self.locate(ids, unique=False)
+    def read(self, ids: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """A copy of rows ``ids`` at their local ``index`` (:meth:`locate`), initial values for
+        rows never written."""
         out = self.values[index]
         fresh = ~self.written[index]
         if fresh.any():
@@ -239,14 +239,3 @@ def _zero_pages(shape: tuple[int, int]) -> np.ndarray:
     return np.frombuffer(region, dtype=np.float32, count=shape[0] * shape[1]).reshape(shape)
 
 
-def coalesce(blocks: list[tuple[np.ndarray, np.ndarray]], dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sum row gradients given as ``(ids, grads)`` blocks into one gradient per distinct id
-    (sorted): a sync clock's gradients of one table, from every worker."""
-    if not blocks:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, dim), dtype=np.float32)
-    ids = np.concatenate([b[0] for b in blocks])
-    grads = np.concatenate([b[1] for b in blocks])
-    unique, inverse = np.unique(ids, return_inverse=True)
-    sums = np.zeros((unique.size, dim), dtype=np.float32)
-    np.add.at(sums, inverse, grads)
-    return unique, sums

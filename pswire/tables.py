@@ -30,7 +30,7 @@ import numpy as np
 from pswire.optim import OptimizerConfig
 
 __all__ = [
-    "INITIALIZERS", "MAX_TABLE_ROWS", "TableSpec", "check_ids", "initial_rows", "local_index", "local_rows",
+    "INITIALIZERS", "MAX_TABLE_ROWS", "TableSpec", "check_ids", "coalesce", "initial_rows", "local_index", "local_rows",
     "owner", "splitmix64",
 ]
 
@@ -98,6 +98,18 @@ class TableSpec:
     def nbytes(self) -> int:
         return self.num_rows * self.row_bytes
 
+    def to_dict(self) -> dict:
+        """The spec as JSON-ready values (checkpoint metadata)."""
+        return {"name": self.name, "num_rows": self.num_rows, "dim": self.dim, "optimizer": self.optimizer.to_dict(),
+                "init": self.init, "init_scale": self.init_scale, "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "TableSpec":
+        """Raises ``ValueError`` (or ``KeyError`` for a missing setting) for a spec that cannot be."""
+        return cls(name=str(doc["name"]), num_rows=int(doc["num_rows"]), dim=int(doc["dim"]),
+                   optimizer=OptimizerConfig.from_dict(doc["optimizer"]), init=str(doc["init"]),
+                   init_scale=float(doc["init_scale"]), seed=int(doc["seed"]))
+
     def differences(self, other: "TableSpec") -> list[str]:
         """Human-readable list of the settings in which ``other`` differs from this one."""
         out = [f"{key}: job has {getattr(self, key)!r}, worker asked for {getattr(other, key)!r}"
@@ -105,6 +117,20 @@ class TableSpec:
                if getattr(self, key) != getattr(other, key)]
         out += [f"optimizer {d}" for d in self.optimizer.differences(other.optimizer)]
         return out
+
+
+def coalesce(blocks: list[tuple[np.ndarray, np.ndarray]], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sum row gradients given as ``(ids, gradients)`` blocks into one float32 gradient per
+    distinct id (sorted): a step's lookups of one table on a worker, or a sync clock's pushes of
+    it on a shard."""
+    if not blocks:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, dim), dtype=np.float32)
+    ids = np.concatenate([b[0] for b in blocks])
+    grads = np.concatenate([b[1] for b in blocks])
+    unique, inverse = np.unique(ids, return_inverse=True)
+    sums = np.zeros((unique.size, dim), dtype=np.float32)
+    np.add.at(sums, inverse, grads)
+    return unique, sums
 
 
 def owner(ids: np.ndarray, num_shards: int) -> np.ndarray:

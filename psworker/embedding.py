@@ -34,7 +34,7 @@ from torch import nn
 from pswire import errors
 from pswire.consistency import Mode
 from pswire.optim import OptimizerConfig
-from pswire.tables import TableSpec, initial_rows
+from pswire.tables import TableSpec, coalesce, initial_rows
 
 __all__ = ["ShardedEmbedding", "TableRows", "attach", "localize", "sharded_embeddings"]
 
@@ -230,15 +230,7 @@ class TableRows:
             blocks = [(ids, rows.grad.detach().to("cpu").numpy()) for ids, rows in lookups if rows.grad is not None]
             if not blocks:
                 continue
-            if len(blocks) == 1:
-                out[name] = blocks[0]
-                continue
-            ids = np.concatenate([b[0] for b in blocks])
-            grads = np.concatenate([b[1] for b in blocks])
-            unique, inverse = np.unique(ids, return_inverse=True)
-            sums = np.zeros((unique.size, grads.shape[1]), dtype=np.float32)
-            np.add.at(sums, inverse, grads)
-            out[name] = (unique, sums)
+            out[name] = blocks[0] if len(blocks) == 1 else coalesce(blocks, blocks[0][1].shape[1])
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
