@@ -219,7 +219,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--shards", type=int, default=2, help="number of shards (default: 2)")
     parser.add_argument("--workers", type=int, default=2, help="number of workers (default: 2)")
     parser.add_argument("--task", default="mnist1d-cnn", help="task to train (default: mnist1d-cnn)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface the shards bind (default: 127.0.0.1)")
+    parser.add_argument("--host", help="interface the shards bind (default: 127.0.0.1; with --ray each shard binds "
+                        "its node's address)")
     parser.add_argument("--start-timeout", type=float, default=120.0,
                         help="seconds for a shard to start listening, also after a restart (default: 120)")
     parser.add_argument("--shard-arg", action="append", default=[],
@@ -270,7 +271,41 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         f"directory (mode 600) for the shards; workers get the worker token through {TOKEN_ENV}, "
                         "the final evaluation uses the reader token, and the admin token's file is logged for "
                         "psctl --token-file")
+    ray = parser.add_argument_group("Ray (docs/ray.md; needs the ray extra: pip install 'psgrpc[ray]')")
+    ray.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                     help="run the shards and workers as actors on a Ray cluster instead of on this machine: "
+                     "ADDRESS of its head (as for ray start --address; a bare --ray connects to the cluster this "
+                     "machine belongs to, or starts one here). Shards are spread over nodes by a placement group "
+                     "and bind their node's address; Ray restarts a shard that dies and it restores from "
+                     "--run-dir's checkpoints; workers are --elastic ones, so they can come and go. --run-dir "
+                     "must then be a path every node sees")
+    ray.add_argument("--job-name", default="psgrpc",
+                     help="with --ray, the job's name on the Ray cluster, for --set-workers (default: psgrpc)")
+    ray.add_argument("--set-workers", type=int, metavar="N",
+                     help="with --ray ADDRESS: tell the running job --job-name to scale to N workers (new ones "
+                     "join and lease data; removed ones hand back what they hold and exit), then exit")
+    ray.add_argument("--shard-cpus", type=float, default=1.0, help="with --ray, CPUs reserved per shard (default: 1)")
+    ray.add_argument("--worker-cpus", type=float, default=1.0,
+                     help="with --ray, CPUs reserved per worker, also its torch threads (default: 1)")
+    ray.add_argument("--shard-resources", type=_resources, default={}, metavar="JSON",
+                     help='with --ray, custom Ray resources each shard needs, e.g. \'{"ps_node": 1}\'')
+    ray.add_argument("--worker-resources", type=_resources, default={}, metavar="JSON",
+                     help="with --ray, custom Ray resources each worker needs")
     args, worker_args = parser.parse_known_args(argv)
+    if args.ray is None and (args.set_workers is not None or args.shard_resources or args.worker_resources):
+        parser.error("--set-workers, --shard-resources and --worker-resources are for --ray")
+    if args.ray is not None:
+        if args.host is not None:
+            parser.error("--ray: each shard binds its node's address; leave out --host")
+        if args.set_workers is not None:
+            if args.set_workers < 0:
+                parser.error("--set-workers must be >= 0")
+            return args, worker_args
+        if args.shard_cpus <= 0 or args.worker_cpus <= 0:
+            parser.error("--shard-cpus and --worker-cpus must be > 0")
+        # Ray's workers are identical ones that come and go, and Ray restarts what dies.
+        args.elastic = args.restart = True
+    args.host = args.host or "127.0.0.1"
     args.metrics = args.metrics or args.metrics_sd_file is not None
     if args.save is not None and (os.path.isdir(args.save) or not Path(args.save).resolve().parent.is_dir()):
         parser.error(f"--save {args.save}: give a file in an existing directory")
@@ -308,8 +343,22 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
         [*worker_args, "--ps", "127.0.0.1:1", "--task", args.task, *_identity_flags(args, 0), *_metrics_flags(args)]
     ), os.environ, "PSWORKER")
     args.seed = worker.seed  # the final evaluation builds the task with the workers' seed
+    args.device = worker.device  # with --ray, what the workers ask Ray for
     _shard_config(args, Path("<run directory>"))
     return args, worker_args
+
+
+def _resources(text: str) -> dict[str, float]:
+    """``--shard-resources``/``--worker-resources``: a JSON object of resource name to amount."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for k, v in value.items()):
+        raise argparse.ArgumentTypeError('give an object of resource names to positive amounts, e.g. {"ps_node": 1}')
+    return {k: float(v) for k, v in value.items()}
 
 
 def _task_options(worker_args: Sequence[str]) -> dict[str, str]:
@@ -397,6 +446,7 @@ class _MetricsTargets:
         with self._lock:
             if self._closed or self._addresses.get((role, index)) == target:
                 return
+            self._counts[role] = max(self._counts[role], index + 1)  # workers added while it runs
             self._addresses[role, index] = target
             log.info("%s metrics on http://%s/metrics", name, target)
             if self.sd_file is not None:
@@ -431,15 +481,18 @@ class _Credentials:
     worker_args: list[str]
     worker_env: dict[str, str]
     evaluation: ClientSecurity | None
+    worker_token_file: Path | None = None
+    """With ``--auth``: the worker token's file (workers on other machines read it, with ``--ray``)."""
 
 
-def _credentials(args: argparse.Namespace, run_dir: Path) -> _Credentials:
+def _credentials(args: argparse.Namespace, run_dir: Path, hosts: Sequence[str] = ()) -> _Credentials:
+    """``hosts``: more names for the shards' certificate (with ``--ray``, the nodes' addresses)."""
     shard_args: list[str] = []
     worker_args: list[str] = []
     worker_env: dict[str, str] = {}
     client: dict[str, str] = {}
     if args.tls:
-        pki = make_dev_pki(run_dir / "tls", ["127.0.0.1", "localhost", args.host])
+        pki = make_dev_pki(run_dir / "tls", ["127.0.0.1", "localhost", *([args.host] if args.host else []), *hosts])
         shard_args += pki.shard_flags()
         worker_args += pki.client_flags()
         client = {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert), "key_file": str(pki.client_key)}
@@ -451,7 +504,8 @@ def _credentials(args: argparse.Namespace, run_dir: Path) -> _Credentials:
         client["token"] = read_token(str(paths["reader"]))
         log.info("--auth: shards check tokens from %s; for psctl checkpoint: --token-file %s", paths["tokens"],
                  paths["admin"])
-    return _Credentials(shard_args, worker_args, worker_env, ClientSecurity(**client) if client else None)
+    return _Credentials(shard_args, worker_args, worker_env, ClientSecurity(**client) if client else None,
+                        paths["worker"] if args.auth else None)
 
 
 def _wait_ports(
@@ -658,10 +712,89 @@ def _log_data(data: dict, names: Sequence[str]) -> None:
         "queue" if data["finished"] else "queue NOT", shares)
 
 
+def final_summary(args: argparse.Namespace, worker_args: Sequence[str], ps: str, security: ClientSecurity | None,
+                  results: Sequence[dict], seconds: float, restarts: list[dict]) -> dict:
+    """The JSON summary of a finished job: the workers' totals, and the test metrics of the final
+    model the shards hold (saved to ``--save`` first, when asked). Raises ``RuntimeError`` when
+    the model cannot be saved."""
+    from psworker.client import ClientOptions
+    from psworker.tasks import evaluate
+    from psworker.training import pull_task  # imports torch: only once training is done
+
+    options = ClientOptions(security=security)
+    task = pull_task(ps, args.task, seed=args.seed, options=options, task_options=_task_options(worker_args))
+    final = evaluate(task.model, task)
+    if args.save is not None:
+        from psworker.embedding import table_client
+        from psworker.export import save_model_with_tables
+
+        try:
+            save_model_with_tables(task.model, table_client(task.model), args.save,
+                                   metadata={"task": args.task, "source": "pscluster"})
+        except OSError as exc:
+            raise RuntimeError(f"cannot save the model to {args.save}: {exc}") from exc
+        log.info("saved the final model to %s", args.save)
+    losses = [r["final_loss"] for r in results if r["final_loss"] is not None]
+    summary = {
+        "task": args.task,
+        "mode": results[0]["mode"],
+        "shards": args.shards,
+        "workers": len(results),
+        # The job's steps; each worker's are in worker_steps (with --elastic they differ).
+        "steps": sum(r["steps"] for r in results),
+        "worker_steps": [r["steps"] for r in results],
+        "samples": sum(r["samples"] for r in results),
+        "seconds": round(seconds, 3),
+        "samples_per_second": round(sum(r["samples"] for r in results) / seconds, 1),
+        "final_loss": sum(losses) / len(losses) if losses else None,
+        **final,
+        **({"data": data_summary(results, _queue(ps, options))} if args.elastic else {}),
+        **({"model_file": args.save} if args.save is not None else {}),
+        "restarts": restarts,
+        "per_worker": results,
+    }
+    if args.elastic:
+        _log_data(summary["data"], [r["worker"] for r in results])
+    return summary
+
+
+def _run_here(args: argparse.Namespace, worker_args: list[str], run_dir: Path,
+              interrupted: threading.Event) -> tuple[int, dict | None]:
+    """The job on this machine: (exit status, summary once it finished)."""
+    cluster = _Cluster(args, worker_args, run_dir)
+    started = time.monotonic()
+    try:
+        cluster.start(interrupted)
+        if not cluster.watch(interrupted):
+            log.warning("interrupted; stopping the cluster")
+            return 130, None
+        seconds = time.monotonic() - started
+        for w in cluster.workers:
+            w.proc.join_output()
+        results = [w.proc.result for w in cluster.workers]
+        if any(r is None for r in results):
+            log.error("a worker exited without printing its result")
+            return 1, None
+        return 0, final_summary(args, worker_args, cluster.ps, cluster.credentials.evaluation, results, seconds,
+                                [r.record() for r in cluster.recoveries])
+    except KeyboardInterrupt:
+        log.warning("interrupted; stopping the cluster")
+        return 130, None
+    except (RuntimeError, TimeoutError) as exc:
+        log.error("%s", exc)
+        return 1, None
+    finally:
+        cluster.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, worker_args = _parse(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s pscluster: %(message)s")
+    if args.set_workers is not None:
+        from psworker.ray import set_workers_cli
+
+        return set_workers_cli(args)
     interrupted = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     signal.signal(signal.SIGTERM, lambda *_: interrupted.set())
@@ -675,71 +808,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         tmp = tempfile.TemporaryDirectory(prefix="pscluster-")
         run_dir = Path(tmp.name)
-    cluster = _Cluster(args, worker_args, run_dir)
-    started = time.monotonic()
-    summary: dict | None = None
     try:
-        cluster.start(interrupted)
-        if not cluster.watch(interrupted):
-            log.warning("interrupted; stopping the cluster")
-            return 130
-        seconds = time.monotonic() - started
-        for w in cluster.workers:
-            w.proc.join_output()
-        results = [w.proc.result for w in cluster.workers]
-        if any(r is None for r in results):
-            log.error("a worker exited without printing its result")
-            return 1
-        from psworker.client import ClientOptions
-        from psworker.tasks import evaluate
-        from psworker.training import pull_task  # imports torch: only once training is done
+        if args.ray is not None:
+            from psworker.ray import run_on_ray
 
-        options = ClientOptions(security=cluster.credentials.evaluation)
-        task = pull_task(cluster.ps, args.task, seed=args.seed, options=options,
-                         task_options=_task_options(worker_args))
-        final = evaluate(task.model, task)
-        if args.save is not None:
-            from psworker.embedding import table_client
-            from psworker.export import save_model_with_tables
-
-            try:
-                save_model_with_tables(task.model, table_client(task.model), args.save,
-                                       metadata={"task": args.task, "source": "pscluster"})
-            except OSError as exc:
-                log.error("cannot save the model to %s: %s", args.save, exc)
-                return 1
-            log.info("saved the final model to %s", args.save)
-        losses = [r["final_loss"] for r in results if r["final_loss"] is not None]
-        summary = {
-            "task": args.task,
-            "mode": results[0]["mode"],
-            "shards": args.shards,
-            "workers": args.workers,
-            # The job's steps; each worker's are in worker_steps (with --elastic they differ).
-            "steps": sum(r["steps"] for r in results),
-            "worker_steps": [r["steps"] for r in results],
-            "samples": sum(r["samples"] for r in results),
-            "seconds": round(seconds, 3),
-            "samples_per_second": round(sum(r["samples"] for r in results) / seconds, 1),
-            "final_loss": sum(losses) / len(losses) if losses else None,
-            **final,
-            **({"data": data_summary(results, _queue(cluster.ps, options))} if args.elastic else {}),
-            **({"model_file": args.save} if args.save is not None else {}),
-            "restarts": [r.record() for r in cluster.recoveries],
-            "per_worker": results,
-        }
-        if args.elastic:
-            _log_data(summary["data"], [r["worker"] for r in results])
-    except KeyboardInterrupt:
-        log.warning("interrupted; stopping the cluster")
-        return 130
-    except (RuntimeError, TimeoutError) as exc:
-        log.error("%s", exc)
-        return 1
+            code, summary = run_on_ray(args, worker_args, run_dir, interrupted)
+        else:
+            code, summary = _run_here(args, worker_args, run_dir, interrupted)
     finally:
-        cluster.stop()
         if tmp is not None:
             tmp.cleanup()
+    if code:
+        return code
     # Last, once every child has stopped and its last lines are relayed: the summary is the
     # final line on a terminal too.
     line = json.dumps(summary)
@@ -747,7 +827,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         (run_dir / "summary.json").write_text(line + "\n")
     print(line, flush=True)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

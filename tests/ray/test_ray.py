@@ -1,0 +1,198 @@
+"""``pscluster --ray`` on a real multi-node Ray cluster (a head and two nodes, each in its own
+network namespace): placement across nodes, Ray restarting a killed shard that restores, a node
+that goes away with its worker, a worker added while the job runs, and what a CUDA job asks of
+Ray. Everything the jobs send stays inside the namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.ray.netcluster import NetCluster
+
+pytestmark = pytest.mark.timeout(240)
+
+TASK = "mnist1d-cnn"
+TOTAL = 600_000
+"""The job's examples: mnist1d-cnn's default job, 150 epochs of 4,000."""
+RESOURCES = ["--shard-resources", '{"ps_shard": 1}', "--worker-resources", '{"ps_worker": 1}']
+_SERVES = re.compile(r"shard(\d+) serves on ([\d.]+):(\d+) \(Ray actor pid (\d+)")
+_RUNS_ON = re.compile(r"(worker-\d+) runs on ([\d.]+) \(Ray actor pid (\d+)")
+
+
+@dataclass
+class Job:
+    """A driver (``pscluster --ray`` or a Python script) run in the head node's namespace."""
+
+    popen: subprocess.Popen
+    out: Path
+    err: Path
+
+    def log(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if match := re.search(pattern, self.log()):
+                return match
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern!r} in the driver's log within {timeout:.0f}s "
+                             f"(exit status {self.popen.poll()}):\n{self.log()[-6000:]}")
+
+    def summary(self, timeout: float) -> dict:
+        try:
+            code = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            raise AssertionError(f"the job did not end within {timeout:.0f}s:\n{self.log()[-6000:]}") from None
+        assert code == 0, f"the job failed with exit status {code}:\n{self.log()[-8000:]}"
+        lines = [line for line in self.out.read_text().splitlines() if line.startswith("{")]
+        assert lines, f"no summary line:\n{self.log()[-4000:]}"
+        return json.loads(lines[-1])
+
+    def shards(self) -> dict[int, tuple[str, int]]:
+        """shard index -> (node address, Ray actor pid), as the driver logged them first."""
+        found: dict[int, tuple[str, int]] = {}
+        for m in _SERVES.finditer(self.log()):
+            found.setdefault(int(m[1]), (m[2], int(m[4])))
+        return found
+
+    def workers(self) -> dict[str, str]:
+        """worker name -> the address of the node it last ran on."""
+        return {m[1]: m[2] for m in _RUNS_ON.finditer(self.log())}
+
+
+def start_job(cluster: NetCluster, tmp_path: Path, argv: list[str], name: str = "job") -> Job:
+    out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        popen = subprocess.Popen(cluster.exec_argv(cluster.head, argv), stdout=o, stderr=e, cwd=ROOT,
+                                 env=cluster.env())
+    return Job(popen, out, err)
+
+
+def pscluster(cluster: NetCluster, tmp_path: Path, *flags: str, name: str = "job") -> Job:
+    """The README's command: ``pscluster --ray ADDRESS ...`` with the tier's resources."""
+    return start_job(cluster, tmp_path, [
+        sys.executable, "-m", "psworker.cluster", "--ray", cluster.gcs, "--task", TASK,
+        "--run-dir", str(tmp_path / f"{name}-run"), *RESOURCES, *flags], name)
+
+
+def assert_all_data(summary: dict) -> None:
+    data = summary["data"]
+    assert data["finished"] and data["examples_done"] == data["job"]["total"] == TOTAL, data
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_cluster, tmp_path_factory):
+    """Scenario 1's job (2 shards, 2 workers), run once: test 1 checks it, test 2 compares with it."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    job = pscluster(ray_cluster, tmp, "--shards", "2", "--workers", "2")
+    return job, job.summary(timeout=200)
+
+
+def test_two_shards_on_different_nodes_and_two_workers_train_mnist1d_cnn(baseline):
+    job, summary = baseline
+    shards = job.shards()
+    assert len(shards) == 2 and shards[0][0] != shards[1][0], f"the shards share a node: {shards}"
+    assert summary["test_accuracy"] >= 0.90, summary
+    assert summary["workers"] == 2 and summary["restarts"] == [], summary
+    assert_all_data(summary)
+    assert sum(summary["data"]["worker_examples"]) == TOTAL
+    # The final evaluation read the shards over the namespaces' network, on their nodes' addresses.
+    assert re.search(r"\d+ shard\(s\) listening: 10\.215\.\d+\.\d+:\d+,10\.215\.", job.log())
+
+
+def test_a_shard_actor_killed_is_restarted_by_ray_restores_and_the_workers_finish(ray_cluster, tmp_path, baseline):
+    job = pscluster(ray_cluster, tmp_path, "--shards", "2", "--workers", "2", "--checkpoint-every", "2s")
+    try:
+        job.wait_for(r"\[shard0\].*checkpoint \d+ written .*complete\)", timeout=120)
+        job.wait_for(r"worker-\d+ step \d+", timeout=60)
+        host, pid = job.shards()[0]
+        os.kill(pid, signal.SIGKILL)  # the shard actor's own process: its psserver dies with it
+        restarted = job.wait_for(r"shard0 was restarted by Ray \(restart 1\): serving on ([\d.]+:\d+) .*"
+                                 r"restored checkpoint (\d+)", timeout=120)
+        assert restarted[1].startswith(host + ":"), "the shard came back on another node"
+        summary = job.summary(timeout=200)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert [r["process"] for r in summary["restarts"]] == ["shard0"], summary["restarts"]
+    assert summary["restarts"][0]["restored"] == int(restarted[2])
+    assert_all_data(summary)
+    assert summary["test_accuracy"] >= baseline[1]["test_accuracy"] - 0.02, summary
+
+
+def test_a_worker_added_while_the_job_runs_joins_and_takes_data(ray_cluster, tmp_path):
+    """Through the Python API (psworker.ray.run), scaled by the CLI (--set-workers)."""
+    script = (f"import json, logging, psworker.ray\n"
+              f"logging.basicConfig(level=logging.INFO)\n"
+              f"summary = psworker.ray.run({TASK!r}, address={ray_cluster.gcs!r}, shards=2, workers=2, "
+              f"job_name='grow', run_dir={str(tmp_path / 'run')!r}, shard_resources={{'ps_shard': 1}}, "
+              f"worker_resources={{'ps_worker': 1}})\n"
+              f"print(json.dumps(summary))\n")
+    job = start_job(ray_cluster, tmp_path, [sys.executable, "-c", script])
+    try:
+        job.wait_for(r"worker-\d+ step \d+", timeout=120)
+        scaled = ray_cluster.run(ray_cluster.head, [
+            sys.executable, "-m", "psworker.cluster", "--ray", ray_cluster.gcs, "--job-name", "grow",
+            "--set-workers", "3"], cwd=ROOT)
+        assert json.loads(scaled.stdout.splitlines()[-1])["workers"] == 3
+        job.wait_for(r"worker-2 runs on", timeout=60)
+        summary = job.summary(timeout=200)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    by_worker = {r["worker"]: r["data"]["examples"] for r in summary["per_worker"]}
+    assert set(by_worker) == {"worker-0", "worker-1", "worker-2"}, by_worker
+    assert by_worker["worker-2"] > 0, f"the added worker trained nothing: {by_worker}"
+    assert_all_data(summary)
+
+
+def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ray_cluster, tmp_path):
+    node = ray_cluster.nodes[2]  # one worker slot, no shard
+    job = pscluster(ray_cluster, tmp_path, "--shards", "2", "--workers", "3", "--shard-arg=--lease-timeout=3")
+    try:
+        runs_on = job.wait_for(rf"(worker-\d+) runs on {re.escape(node.address)} ", timeout=120)[1]
+        job.wait_for(rf"\[{runs_on}\].* step \d+", timeout=60)
+        assert ray_cluster.kill_node(node), "nothing ran in the node's namespace"
+        job.wait_for(rf"{runs_on} lost: its actor died", timeout=60)
+        summary = job.summary(timeout=200)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+        ray_cluster.restart_node(node)
+    assert_all_data(summary)
+    # The lost worker's task went back to the queue and was trained by the others.
+    assert summary["data"]["tasks_requeued"] >= 1, summary["data"]
+    assert runs_on not in {r["worker"] for r in summary["per_worker"]}
+    # What the lost worker finished before its node went is in the queue's count, not in theirs.
+    assert sum(summary["data"]["worker_examples"]) < TOTAL, summary["data"]
+    assert summary["test_accuracy"] >= 0.88, summary
+
+
+def test_a_cuda_job_asks_ray_for_a_gpu_per_worker(ray_cluster, tmp_path):
+    from psworker.cluster import _parse
+    from psworker.ray import shard_bundles, worker_options
+
+    args, _ = _parse(["--ray", "", "--device", "cuda", *RESOURCES])
+    assert worker_options(args, args.device) == {"num_cpus": 1.0, "num_gpus": 1, "resources": {"ps_worker": 1.0},
+                                                 "scheduling_strategy": "SPREAD", "max_restarts": 0}
+    assert worker_options(args, "cpu")["num_gpus"] == worker_options(args, "auto")["num_gpus"] == 0
+    assert shard_bundles(args) == [{"CPU": 1.0, "ps_shard": 1.0}] * 2
+    # This cluster has no GPU: the job says so at once instead of waiting for a placement.
+    job = pscluster(ray_cluster, tmp_path, "--device", "cuda")
+    code = job.popen.wait(timeout=120)
+    assert code == 1 and "the Ray cluster has no GPU" in job.log(), job.log()[-3000:]
