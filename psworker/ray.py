@@ -352,7 +352,12 @@ class _RayJob:
             sd_file = Path(args.metrics_sd_file).resolve() if args.metrics_sd_file else None
             self.metrics = _MetricsTargets(sd_file, args.shards, args.workers)
         try:
-            self.control = ray.remote(JobControl).options(name=args.job_name, num_cpus=0).remote(args.workers)
+            # On the driver's own node: it lives as long as the driver does, whatever node goes.
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self.control = ray.remote(JobControl).options(name=args.job_name, num_cpus=0,
+                                                          scheduling_strategy=here).remote(args.workers)
         except ValueError as exc:
             raise RuntimeError(f"a job named {args.job_name!r} already runs on this Ray cluster ({exc}); give "
                                "another --job-name") from None
@@ -438,13 +443,15 @@ class _RayJob:
                 self._scale()
             for slot in self.workers:
                 self._watch_worker(slot)
-            live = [s for s in self.workers if s.ended is None]
-            if self.data_done and not [s for s in live if s.info is not None]:
-                for slot in live:  # asked of Ray, never placed: no longer needed
-                    self.ray.kill(slot.actor)
-                    slot.ended = "unplaced"
-                    log.warning("%s was never placed by Ray; the job's data is done without it", slot.name)
-                return True
+            if self.data_done:
+                for slot in self.workers:  # asked of Ray, not placed yet: no longer needed
+                    if slot.ended is None and slot.info is None:
+                        self.ray.kill(slot.actor)
+                        slot.ended = "unplaced"
+                        log.warning("%s was not placed by Ray before the job's data was done; it is not needed "
+                                    "any more", slot.name)
+                if all(slot.ended is not None for slot in self.workers):
+                    return True
             interrupted.wait(timeout=_POLL_SECONDS)
         return False
 
@@ -498,7 +505,8 @@ class _RayJob:
         ray = self.ray
         try:
             wanted = ray.get(self.control.workers_wanted.remote(), timeout=10)
-        except ray.exceptions.GetTimeoutError:
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+            log.warning("cannot read the job's wanted workers from its control actor: %s", _first_line(exc))
             return
         live = [s for s in self.workers if s.ended is None and not s.stopping]
         if not self.data_done and wanted > len(live):

@@ -95,16 +95,40 @@ def assert_all_data(summary: dict) -> None:
     assert data["finished"] and data["examples_done"] == data["job"]["total"] == TOTAL, data
 
 
+def scrape(cluster: NetCluster, target: str) -> str:
+    """A metrics endpoint's text, fetched from the head node (the test's own namespace reaches none)."""
+    return cluster.run(cluster.head, [sys.executable, "-c", "import sys, urllib.request; sys.stdout.write("
+                                      f"urllib.request.urlopen('http://{target}/metrics', timeout=10).read().decode())"
+                                      ], timeout=30).stdout
+
+
 @pytest.fixture(scope="module")
 def baseline(ray_cluster, tmp_path_factory):
-    """Scenario 1's job (2 shards, 2 workers), run once: test 1 checks it, test 2 compares with it."""
+    """Scenario 1's job (2 shards, 2 workers), run once: test 1 checks it, test 2 compares with it.
+    Returns the job, its summary, and its Prometheus service discovery file while it trained with
+    each target's metrics."""
     tmp = tmp_path_factory.mktemp("baseline")
-    job = pscluster(ray_cluster, tmp, "--shards", "2", "--workers", "2")
-    return job, job.summary(timeout=200)
+    sd_file = tmp / "targets.json"
+    job = pscluster(ray_cluster, tmp, "--shards", "2", "--workers", "2", "--metrics-sd-file", str(sd_file))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            groups = json.loads(sd_file.read_text()) if sd_file.exists() else []
+            targets = {g["labels"]["job"]: g["targets"] for g in groups}
+            if len(targets.get("psserver", [])) == 2 and len(targets.get("psworker", [])) == 2:
+                break
+            assert time.monotonic() < deadline and job.popen.poll() is None, \
+                f"the service discovery file never listed 2 shards and 2 workers: {groups}\n{job.log()[-3000:]}"
+            time.sleep(0.2)
+        scraped = {target: scrape(ray_cluster, target) for ts in targets.values() for target in ts}
+    except BaseException:
+        job.popen.kill()
+        raise
+    return job, job.summary(timeout=200), targets, scraped
 
 
 def test_two_shards_on_different_nodes_and_two_workers_train_mnist1d_cnn(baseline):
-    job, summary = baseline
+    job, summary, _, _ = baseline
     shards = job.shards()
     assert len(shards) == 2 and shards[0][0] != shards[1][0], f"the shards share a node: {shards}"
     assert summary["test_accuracy"] >= 0.90, summary
@@ -113,6 +137,17 @@ def test_two_shards_on_different_nodes_and_two_workers_train_mnist1d_cnn(baselin
     assert sum(summary["data"]["worker_examples"]) == TOTAL
     # The final evaluation read the shards over the namespaces' network, on their nodes' addresses.
     assert re.search(r"\d+ shard\(s\) listening: 10\.215\.\d+\.\d+:\d+,10\.215\.", job.log())
+
+
+def test_every_shard_and_worker_is_listed_for_prometheus_on_its_node(baseline):
+    job, _, targets, scraped = baseline
+    shard_hosts = {host for host, _ in job.shards().values()}
+    assert {t.rpartition(":")[0] for t in targets["psserver"]} == shard_hosts
+    assert all(t.startswith("10.215.") for ts in targets.values() for t in ts), targets
+    for target in targets["psserver"]:
+        assert "psserver_pushes" in scraped[target], scraped[target][:500]
+    for target in targets["psworker"]:
+        assert "psworker_steps_total" in scraped[target], scraped[target][:500]
 
 
 def test_a_shard_actor_killed_is_restarted_by_ray_restores_and_the_workers_finish(ray_cluster, tmp_path, baseline):
@@ -136,12 +171,12 @@ def test_a_shard_actor_killed_is_restarted_by_ray_restores_and_the_workers_finis
 
 
 def test_a_worker_added_while_the_job_runs_joins_and_takes_data(ray_cluster, tmp_path):
-    """Through the Python API (psworker.ray.run), scaled by the CLI (--set-workers)."""
+    """Through the Python API (psworker.ray.run) with tokens on, scaled by the CLI (--set-workers)."""
     script = (f"import json, logging, psworker.ray\n"
               f"logging.basicConfig(level=logging.INFO)\n"
               f"summary = psworker.ray.run({TASK!r}, address={ray_cluster.gcs!r}, shards=2, workers=2, "
               f"job_name='grow', run_dir={str(tmp_path / 'run')!r}, shard_resources={{'ps_shard': 1}}, "
-              f"worker_resources={{'ps_worker': 1}})\n"
+              f"worker_resources={{'ps_worker': 1}}, auth=True)\n"
               f"print(json.dumps(summary))\n")
     job = start_job(ray_cluster, tmp_path, [sys.executable, "-c", script])
     try:
@@ -158,12 +193,16 @@ def test_a_worker_added_while_the_job_runs_joins_and_takes_data(ray_cluster, tmp
     by_worker = {r["worker"]: r["data"]["examples"] for r in summary["per_worker"]}
     assert set(by_worker) == {"worker-0", "worker-1", "worker-2"}, by_worker
     assert by_worker["worker-2"] > 0, f"the added worker trained nothing: {by_worker}"
+    # Tokens were checked on every shard: the workers on every node read theirs from the run directory.
+    assert len(re.findall(r"\[shard\d\].*token\(s\) checked", job.log())) == 2, job.log()[-3000:]
+    assert "no tokens are checked" not in job.log()
     assert_all_data(summary)
 
 
 def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ray_cluster, tmp_path):
     node = ray_cluster.nodes[2]  # one worker slot, no shard
-    job = pscluster(ray_cluster, tmp_path, "--shards", "2", "--workers", "3", "--shard-arg=--lease-timeout=3")
+    job = pscluster(ray_cluster, tmp_path, "--shards", "2", "--workers", "3", "--shard-arg=--lease-timeout=3",
+                    "--tls")
     try:
         runs_on = job.wait_for(rf"(worker-\d+) runs on {re.escape(node.address)} ", timeout=120)[1]
         job.wait_for(rf"\[{runs_on}\].* step \d+", timeout=60)
@@ -177,10 +216,12 @@ def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ra
     assert_all_data(summary)
     # The lost worker's task went back to the queue and was trained by the others.
     assert summary["data"]["tasks_requeued"] >= 1, summary["data"]
-    assert runs_on not in {r["worker"] for r in summary["per_worker"]}
+    assert [r["process"] for r in summary["restarts"]] == [runs_on], summary["restarts"]
     # What the lost worker finished before its node went is in the queue's count, not in theirs.
     assert sum(summary["data"]["worker_examples"]) < TOTAL, summary["data"]
     assert summary["test_accuracy"] >= 0.88, summary
+    # Mutual TLS across the nodes: a certificate naming every node's address, from the run directory.
+    assert "TLS is off" not in job.log()
 
 
 def test_a_cuda_job_asks_ray_for_a_gpu_per_worker(ray_cluster, tmp_path):
