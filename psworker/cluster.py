@@ -305,7 +305,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
             parser.error("--shard-cpus and --worker-cpus must be > 0")
         # Ray's workers are identical ones that come and go, and Ray restarts what dies.
         args.elastic = args.restart = True
-    args.host = args.host or "127.0.0.1"
+    if args.ray is None:
+        args.host = args.host or "127.0.0.1"
     args.metrics = args.metrics or args.metrics_sd_file is not None
     if args.save is not None and (os.path.isdir(args.save) or not Path(args.save).resolve().parent.is_dir()):
         parser.error(f"--save {args.save}: give a file in an existing directory")

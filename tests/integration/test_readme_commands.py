@@ -26,6 +26,8 @@ NOT_RUN_HERE = {
         "the test command itself: .ci/run runs exactly this line (checked below)",
     "python3 -m venv .venv && .venv/bin/pip install torch":
         "installs the CUDA build of torch (several GB); CI machines have no GPU",
+    "# machine A, the head: a shard or a worker":
+        "machines of a Ray cluster: tests/ray/test_ray.py runs these lines, as written, on Ray nodes in namespaces",
     "docker compose -f docker/compose.yaml":
         "a Docker engine's commands: tests/docker/test_compose.py runs each, as written",
     ".venv/bin/pscluster --shards 2 --workers 2 --task mnist1d-mlp --mode ssp --staleness 1":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.ray.conftest import readme_block
 from tests.ray.netcluster import NetCluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -26,6 +28,7 @@ TASK = "mnist1d-cnn"
 TOTAL = 600_000
 """The job's examples: mnist1d-cnn's default job, 150 epochs of 4,000."""
 RESOURCES = ["--shard-resources", '{"ps_shard": 1}', "--worker-resources", '{"ps_worker": 1}']
+"""As the README's job asks for them (the Python API test passes them itself)."""
 _SERVES = re.compile(r"shard(\d+) serves on ([\d.]+):(\d+) \(Ray actor pid (\d+)")
 _RUNS_ON = re.compile(r"(worker-\d+) runs on ([\d.]+) \(Ray actor pid (\d+)")
 
@@ -83,11 +86,21 @@ def start_job(cluster: NetCluster, tmp_path: Path, argv: list[str], name: str = 
     return Job(popen, out, err)
 
 
+def readme_line(start: str, cluster: NetCluster, run_dir: Path) -> list[str]:
+    """The README's command line that starts with ``start``, as argv: the head's address for
+    ``A``, ``run_dir`` for the shared ``/shared/job1``, and this interpreter for the script."""
+    lines = [line for line in readme_block().splitlines() if line.startswith(start)]
+    assert len(lines) == 1, f"the README's Ray block has no line {start!r}"
+    argv = [{"A:6379": cluster.gcs, "/shared/job1": str(run_dir)}.get(a, a) for a in shlex.split(lines[0])]
+    assert argv[0] == ".venv/bin/pscluster"
+    return [sys.executable, "-m", "psworker.cluster", *argv[1:]]
+
+
 def pscluster(cluster: NetCluster, tmp_path: Path, *flags: str, name: str = "job") -> Job:
-    """The README's command: ``pscluster --ray ADDRESS ...`` with the tier's resources."""
-    return start_job(cluster, tmp_path, [
-        sys.executable, "-m", "psworker.cluster", "--ray", cluster.gcs, "--task", TASK,
-        "--run-dir", str(tmp_path / f"{name}-run"), *RESOURCES, *flags], name)
+    """The README's job command, with ``flags`` added (a later flag wins over the README's)."""
+    argv = readme_line(".venv/bin/pscluster --ray A:6379 --task", cluster, tmp_path / f"{name}-run")
+    assert "--task" in argv and TASK in argv
+    return start_job(cluster, tmp_path, [*argv, *flags], name)
 
 
 def assert_all_data(summary: dict) -> None:
@@ -109,7 +122,7 @@ def baseline(ray_cluster, tmp_path_factory):
     each target's metrics."""
     tmp = tmp_path_factory.mktemp("baseline")
     sd_file = tmp / "targets.json"
-    job = pscluster(ray_cluster, tmp, "--shards", "2", "--workers", "2", "--metrics-sd-file", str(sd_file))
+    job = pscluster(ray_cluster, tmp, "--metrics-sd-file", str(sd_file))
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -151,9 +164,9 @@ def test_every_shard_and_worker_is_listed_for_prometheus_on_its_node(baseline):
 
 
 def test_a_shard_actor_killed_is_restarted_by_ray_restores_and_the_workers_finish(ray_cluster, tmp_path, baseline):
-    job = pscluster(ray_cluster, tmp_path, "--shards", "2", "--workers", "2", "--checkpoint-every", "2s")
+    job = pscluster(ray_cluster, tmp_path, "--checkpoint-every", "2s")
     try:
-        job.wait_for(r"\[shard0\].*checkpoint \d+ written .*complete\)", timeout=120)
+        job.wait_for(r"\[shard\d\].*checkpoint \d+ written .*complete\)", timeout=120)
         job.wait_for(r"worker-\d+ step \d+", timeout=60)
         host, pid = job.shards()[0]
         os.kill(pid, signal.SIGKILL)  # the shard actor's own process: its psserver dies with it
@@ -181,9 +194,9 @@ def test_a_worker_added_while_the_job_runs_joins_and_takes_data(ray_cluster, tmp
     job = start_job(ray_cluster, tmp_path, [sys.executable, "-c", script])
     try:
         job.wait_for(r"worker-\d+ step \d+", timeout=120)
-        scaled = ray_cluster.run(ray_cluster.head, [
-            sys.executable, "-m", "psworker.cluster", "--ray", ray_cluster.gcs, "--job-name", "grow",
-            "--set-workers", "3"], cwd=ROOT)
+        scale = readme_line(".venv/bin/pscluster --ray A:6379 --job-name", ray_cluster, tmp_path)
+        scale[scale.index("--job-name") + 1] = "grow"
+        scaled = ray_cluster.run(ray_cluster.head, scale, cwd=ROOT)
         assert json.loads(scaled.stdout.splitlines()[-1])["workers"] == 3
         job.wait_for(r"worker-2 runs on", timeout=60)
         summary = job.summary(timeout=200)
@@ -200,9 +213,9 @@ def test_a_worker_added_while_the_job_runs_joins_and_takes_data(ray_cluster, tmp
 
 
 def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ray_cluster, tmp_path):
-    node = ray_cluster.nodes[2]  # one worker slot, no shard
-    job = pscluster(ray_cluster, tmp_path, "--shards", "2", "--workers", "3", "--shard-arg=--lease-timeout=3",
-                    "--tls")
+    node = ray_cluster.nodes[3]  # machine D: a worker slot, no shard
+    # A worker on every node: one of them on D.
+    job = pscluster(ray_cluster, tmp_path, "--workers", "4", "--shard-arg=--lease-timeout=3", "--tls")
     try:
         runs_on = job.wait_for(rf"(worker-\d+) runs on {re.escape(node.address)} ", timeout=120)[1]
         job.wait_for(rf"\[{runs_on}\].* step \d+", timeout=60)
@@ -237,3 +250,28 @@ def test_a_cuda_job_asks_ray_for_a_gpu_per_worker(ray_cluster, tmp_path):
     job = pscluster(ray_cluster, tmp_path, "--device", "cuda")
     code = job.popen.wait(timeout=120)
     assert code == 1 and "the Ray cluster has no GPU" in job.log(), job.log()[-3000:]
+
+
+def test_a_shard_whose_node_goes_away_moves_to_another_node_and_the_workers_follow(ray_cluster, tmp_path):
+    job = pscluster(ray_cluster, tmp_path, "--checkpoint-every", "2s", "--shard-arg=--lease-timeout=3")
+    node = None
+    try:
+        job.wait_for(r"\[shard\d\].*checkpoint \d+ written .*complete\)", timeout=120)
+        job.wait_for(r"worker-\d+ step \d+", timeout=60)
+        shards = job.shards()
+        # The shard that is not on the head (the driver runs there); its node goes, all of it.
+        index = next(i for i, (host, _) in shards.items() if host != ray_cluster.head.address)
+        node = next(n for n in ray_cluster.nodes if n.address == shards[index][0])
+        assert ray_cluster.kill_node(node)
+        moved = job.wait_for(rf"shard{index} was restarted by Ray \(restart 1\): serving on ([\d.]+):\d+ .*"
+                             r"restored checkpoint (\d+)", timeout=120)
+        assert moved[1] not in (node.address, shards[1 - index][0]), "the shard did not move to the free node"
+        job.wait_for(r"a shard moved to another node", timeout=30)
+        summary = job.summary(timeout=200)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+        if node is not None:
+            ray_cluster.restart_node(node)
+    assert_all_data(summary)
+    assert summary["test_accuracy"] >= 0.88, summary
