@@ -80,6 +80,17 @@ _TLS_SHARD_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca"}
 _METRICS_LINE = re.compile(r"\bmetrics on http://(\S+?)/metrics\b")
 
 
+def result_line(line: str) -> dict | None:
+    """A child's result, when ``line`` of its stdout is one: a JSON object."""
+    if not line.startswith("{"):
+        return None
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 class _Proc:
     """One run of a child process whose output lines are relayed with a prefix; the last line of
     stdout that parses as JSON is kept as its result, and the first line that matches ``ready``
@@ -113,12 +124,9 @@ class _Proc:
             line = line.rstrip("\n")
             if self._log is not None:
                 self._log.write(line + "\n")
-            if is_stdout and line.startswith("{"):
-                try:
-                    self.result = json.loads(line)
-                    continue
-                except json.JSONDecodeError:
-                    pass
+            if is_stdout and (result := result_line(line)) is not None:
+                self.result = result
+                continue
             if self.ready is not None and self.ready_match is None:
                 match = self.ready.search(line)
                 if match:

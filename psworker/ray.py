@@ -53,7 +53,7 @@ from pathlib import Path
 
 from psworker.cluster import (
     _METRICS_LINE, _credentials, _metrics_flags, _MetricsTargets, _shard_config, exit_reason, final_summary,
-    write_atomically,
+    result_line, write_atomically,
 )
 
 __all__ = ["ShardActor", "WorkerActor", "run", "run_on_ray", "set_workers", "set_workers_cli", "worker_options"]
@@ -67,7 +67,6 @@ _PR_SET_PDEATHSIG = 1
 _RESTORED = re.compile(r"\brestored checkpoint (\d+)\b")
 _POLL_SECONDS = 0.5
 _SHARD_POLL_SECONDS = 2.0
-_RESULT_KEYS = ("returncode", "result", "tail")
 
 
 def _die_with_parent() -> None:
@@ -98,12 +97,9 @@ class _Child:
     def _relay(self, stream, is_stdout: bool) -> None:
         for line in stream:
             line = line.rstrip("\n")
-            if is_stdout and line.startswith("{"):
-                try:
-                    self.result = json.loads(line)
-                    continue
-                except json.JSONDecodeError:
-                    pass
+            if is_stdout and (result := result_line(line)) is not None:
+                self.result = result
+                continue
             self.tail.append(line)
             if match := _METRICS_LINE.search(line):
                 self.metrics = match[1]
