@@ -76,6 +76,8 @@ _STATIC_SPLIT_FLAGS = {"--worker-index", "--num-workers"}
 _RESERVED_SHARD_FLAGS = {"--host", "--port", "--port-file", "--shard-index", "--num-shards", "--restore"}
 _TLS_WORKER_FLAGS = {"--tls-ca", "--tls-cert", "--tls-key"}
 _TLS_SHARD_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca"}
+# The marker of a run directory of pscluster --ray (psworker.ray): it may be given again.
+RAY_RUN_MARK = ".psgrpc-run-dir"
 # What a shard or worker logs once its metrics endpoint is up (docs/metrics.md).
 _METRICS_LINE = re.compile(r"\bmetrics on http://(\S+?)/metrics\b")
 
@@ -269,7 +271,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
                         help="keep the run directory in DIR (created; it must be new or empty) instead of a "
                         "temporary one deleted at exit: every child's output in logs/NAME.log (restarts appended), "
                         "pscluster's own log in pscluster.log, the summary in summary.json, checkpoints (with "
-                        "--restart) in checkpoints/, and the --tls certificates and --auth tokens")
+                        "--restart) in checkpoints/, and the --tls certificates and --auth tokens. With --ray, the run directory "
+                        "of an earlier --ray job may be given again: the job goes on from its checkpoints")
     parser.add_argument("--save", metavar="FILE",
                         help="after the run, write the final model the summary evaluates (the shards' weights, "
                         "with the task's fresh buffers) to FILE as safetensors named by the model's state_dict() "
@@ -318,7 +321,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     args.metrics = args.metrics or args.metrics_sd_file is not None
     if args.save is not None and (os.path.isdir(args.save) or not Path(args.save).resolve().parent.is_dir()):
         parser.error(f"--save {args.save}: give a file in an existing directory")
-    if args.run_dir is not None and Path(args.run_dir).exists() and (
+    # A Ray job's run directory may be given again: the job goes on from its checkpoints.
+    again = args.ray is not None and args.run_dir is not None and (Path(args.run_dir) / RAY_RUN_MARK).is_file()
+    if args.run_dir is not None and Path(args.run_dir).exists() and not again and (
             not Path(args.run_dir).is_dir() or any(Path(args.run_dir).iterdir())):
         parser.error(f"--run-dir {args.run_dir}: give a new or empty directory (a run's files must not mix "
                      "with another's)")

@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psworker.cluster import (
-    _METRICS_LINE, _credentials, _metrics_flags, _MetricsTargets, _shard_config, exit_reason, final_summary,
-    result_line, write_atomically,
+    _METRICS_LINE, RAY_RUN_MARK, _credentials, _metrics_flags, _MetricsTargets, _shard_config, exit_reason,
+    final_summary, result_line, write_atomically,
 )
 
 __all__ = ["ShardActor", "WorkerActor", "run", "run_on_ray", "set_workers", "set_workers_cli", "worker_options"]
@@ -62,7 +62,6 @@ log = logging.getLogger("pscluster")
 
 NAMESPACE = "psgrpc"
 """The Ray namespace of every job's actors (the control actor's name is the job's name)."""
-_MARK = ".psgrpc-run-dir"
 _PR_SET_PDEATHSIG = 1
 _RESTORED = re.compile(r"\brestored checkpoint (\d+)\b")
 _POLL_SECONDS = 0.5
@@ -137,7 +136,7 @@ def _node_address() -> str:
 
 
 def _check_run_dir(run_dir: Path, job_id: str, host: str) -> None:
-    mark = run_dir / _MARK
+    mark = run_dir / RAY_RUN_MARK
     try:
         seen = mark.read_text().strip()
     except OSError:
@@ -274,13 +273,12 @@ class _Slot:
 
     index: int
     actor: object
-    started: float
     info: dict | None = None
     info_ref: object | None = None
     poll_ref: object | None = None
     stopping: bool = False
     restarts: int = 0
-    ended: str | None = None  # "done", "removed", "lost", "failed"
+    ended: str | None = None  # "done", "removed" (scaled down), "lost" or "unplaced"
     results: list[dict] = field(default_factory=list)
 
     @property
@@ -338,7 +336,10 @@ class _RayJob:
         if worker_options(args, self.device)["num_gpus"] and total.get("GPU", 0) < 1:
             raise RuntimeError(f"--device {self.device}: the Ray cluster has no GPU, so no worker could be placed "
                                "(start nodes with GPUs, or --device cpu)")
-        (self.run_dir / _MARK).write_text(self.job_id + "\n")
+        if (self.run_dir / RAY_RUN_MARK).is_file():
+            log.info("the run directory %s held a job before: its shards restore from its checkpoints, and the "
+                     "job goes on from there", self.run_dir)
+        (self.run_dir / RAY_RUN_MARK).write_text(self.job_id + "\n")
         env, _ = _shard_config(args, self.run_dir)
         # What pscluster sets for its shards (the checkpoint defaults) and the user's PSSERVER_*.
         self.shard_env = {k: v for k, v in env.items() if k.startswith("PSSERVER_")}
@@ -410,7 +411,7 @@ class _RayJob:
         actor = self.ray.remote(WorkerActor).options(**worker_options(self.args, self.device)).remote(
             name, str(self.run_dir), self.job_id, self._worker_argv(name), {})
         if slot is None:
-            self.workers.append(_Slot(index, actor, time.monotonic()))
+            self.workers.append(_Slot(index, actor))
         else:
             slot.actor, slot.info, slot.info_ref, slot.poll_ref, slot.ended = actor, None, None, None, None
         log.info("%s asked of Ray (%s)", name, {k: v for k, v in worker_options(self.args, self.device).items()

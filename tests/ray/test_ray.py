@@ -230,8 +230,6 @@ def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ra
     # The lost worker's task went back to the queue and was trained by the others.
     assert summary["data"]["tasks_requeued"] >= 1, summary["data"]
     assert [r["process"] for r in summary["restarts"]] == [runs_on], summary["restarts"]
-    # What the lost worker finished before its node went is in the queue's count, not in theirs.
-    assert sum(summary["data"]["worker_examples"]) < TOTAL, summary["data"]
     assert summary["test_accuracy"] >= 0.88, summary
     # Mutual TLS across the nodes: a certificate naming every node's address, from the run directory.
     assert "TLS is off" not in job.log()
@@ -274,4 +272,26 @@ def test_a_shard_whose_node_goes_away_moves_to_another_node_and_the_workers_foll
         if node is not None:
             ray_cluster.restart_node(node)
     assert_all_data(summary)
+    assert summary["test_accuracy"] >= 0.88, summary
+
+
+def test_a_job_whose_driver_died_goes_on_from_its_run_directory(ray_cluster, tmp_path):
+    """The driver is not supervised by Ray: when it dies its actors go with it, and the same
+    command started again restores the shards, with the data queue, from the run directory."""
+    first = pscluster(ray_cluster, tmp_path, "--checkpoint-every", "2s", name="first")
+    try:
+        first.wait_for(r"\[shard\d\].*checkpoint \d+ written .*complete\)", timeout=120)
+        first.wait_for(r"\[shard0\].*checkpoint \d+ written .*complete\)|\[shard1\].*checkpoint \d+ written .*"
+                       r"complete\)(?s:.*)checkpoint \d+ written .*complete\)", timeout=60)
+    finally:
+        first.popen.kill()  # SIGKILL: no clean-up of its own
+        first.popen.wait(timeout=30)
+    again = start_job(ray_cluster, tmp_path, [*readme_line(".venv/bin/pscluster --ray A:6379 --task", ray_cluster,
+                                                           tmp_path / "first-run")], "again")
+    summary = again.summary(timeout=200)
+    restored = re.findall(r"\[shard(\d)\].*restored checkpoint (\d+)", again.log())
+    assert {i for i, _ in restored} == {"0", "1"} and len({n for _, n in restored}) == 1, restored
+    assert_all_data(summary)
+    # The second driver's workers trained only what the checkpoint had not: the rest was done before.
+    assert 0 < sum(summary["data"]["worker_examples"]) < TOTAL, summary["data"]
     assert summary["test_accuracy"] >= 0.88, summary
