@@ -295,3 +295,32 @@ def test_a_job_whose_driver_died_goes_on_from_its_run_directory(ray_cluster, tmp
     # The second driver's workers trained only what the checkpoint had not: the rest was done before.
     assert 0 < sum(summary["data"]["worker_examples"]) < TOTAL, summary["data"]
     assert summary["test_accuracy"] >= 0.88, summary
+
+
+def test_bulk_lanes_carry_a_large_models_bytes_between_nodes(ray_cluster, tmp_path):
+    """psbench's 1.1M-parameter MLP: its 4 MiB layer is far above the 256 KiB that goes on a bulk
+    lane, and with a worker on every node, most of its pushes cross from one node to another."""
+    sd_file = tmp_path / "targets.json"
+    job = pscluster(ray_cluster, tmp_path, "--task", "psbench.tasks:mlp1024", "--workers", "4", "--steps", "1000",
+                    "--metrics-sd-file", str(sd_file))
+    try:
+        deadline, lane = time.monotonic() + 150, {}
+        while True:
+            groups = json.loads(sd_file.read_text()) if sd_file.exists() else []
+            for target in next((g["targets"] for g in groups if g["labels"]["job"] == "psserver"), []):
+                found = re.search(r'^psserver_push_bytes_total\{transport="lane"\} (\S+)$', scrape(ray_cluster, target),
+                                  re.M)
+                lane[target] = float(found[1]) if found else 0.0
+            if any(v > 0 for v in lane.values()):
+                break
+            assert time.monotonic() < deadline and job.popen.poll() is None, \
+                f"no bytes on a bulk lane: {lane}\n{job.log()[-3000:]}"
+            time.sleep(0.5)
+        hosts = set(job.workers().values())
+        summary = job.summary(timeout=200)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    big = max(lane, key=lane.get)
+    assert len(hosts) == 4 and hosts - {big.rpartition(":")[0]}, f"no worker on another node than {big}: {hosts}"
+    assert summary["data"]["finished"] and summary["test_accuracy"] > 0.5, summary
