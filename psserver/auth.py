@@ -340,6 +340,15 @@ class Admission(grpc.ServerInterceptor):
         with self._lock:
             return dict(self._in_flight)
 
+    def data_slots_scarce(self) -> bool:
+        """Whether a quarter of the data slots (at least one) is no longer free, counting the
+        caller's own call: then a pull must not park in one to wait (for the shard's
+        initialisation or the staleness bound), as the rest are kept for the pushes and the
+        Initialize that would end such waits. Stalled streams that hold slots make this true."""
+        with self._lock:
+            in_flight = self._in_flight.get(CallClass.DATA, 0)
+        return in_flight > self.caps.data - max(1, self.caps.data // 4)
+
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:

@@ -45,6 +45,7 @@ class Reads:
     _changed: Condition
     _now: Callable[[], float]
     _max_waiting_pulls: int
+    data_slots_scarce: Callable[[], bool] | None
     _waiting_pulls: int
     _state: ShardState
     _job: Registration | None
@@ -66,6 +67,9 @@ class Reads:
             return
         if self._waiting_pulls >= self._max_waiting_pulls:
             raise NotReadyError(f"{self._waiting_pulls} pulls already waiting on this shard; retry")
+        if self.data_slots_scarce is not None and self.data_slots_scarce():
+            raise NotReadyError("too few data call slots are free on this shard to wait in one (they are kept for "
+                                "the pushes and the Initialize that end waits); retry")
         if waiting_for is not None:
             waits = self._counters.pull_waits
             waits[waiting_for] = waits.get(waiting_for, 0) + 1

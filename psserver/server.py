@@ -133,6 +133,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
         max_model_bytes=config.max_model_bytes, max_workers=config.max_workers,
     )
     admission = Admission(caps)
+    store.data_slots_scarce = admission.data_slots_scarce
     metrics = None
     if config.metrics_port is not None:
         # Imported only here: prometheus_client costs a shard 3.3 MiB that a shard without

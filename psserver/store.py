@@ -89,6 +89,9 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         # A waiting pull parks a handler thread; capping them leaves threads free for the pushes
         # and the Initialize that release them (pulls beyond the cap are refused as retryable).
         self._max_waiting_pulls = max_waiting_pulls
+        self.data_slots_scarce: Callable[[], bool] | None = None
+        """Set by the server to its admission control's: a pull does not start waiting while it
+        returns True (``psserver.auth.Admission.data_slots_scarce``)."""
         self._dedupe_window = dedupe_window
         self._now = clock
         self._started = clock()

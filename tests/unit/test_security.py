@@ -137,6 +137,14 @@ def test_the_default_shard_serves_24_data_and_2_status_calls_at_once():
     assert (caps.data, caps.status, caps.watch, caps.waiting_pulls()) == (24, 2, 2, 18)
 
 
+@given(data=st.integers(2, 64), in_flight=st.integers(1, 64))
+def test_a_pull_may_park_in_a_data_slot_only_while_a_quarter_of_them_stays_free(data, in_flight):
+    admission = Admission(AdmissionCaps(data=data, status=2))
+    admission._in_flight[CallClass.DATA] = min(in_flight, data)  # the caller's own call counted
+    free_after = data - min(in_flight, data)
+    assert admission.data_slots_scarce() == (free_after < max(1, data // 4))
+
+
 @given(kind=st.sampled_from(list(CallClass)), in_flight=st.integers(0, 100), data=st.integers(1, 50),
        status=st.integers(1, 10))
 def test_admit_refuses_exactly_beyond_the_cap_and_never_control(kind, in_flight, data, status):
