@@ -183,33 +183,44 @@ def test_a_shard_actor_killed_is_restarted_by_ray_restores_and_the_workers_finis
     assert summary["test_accuracy"] >= baseline[1]["test_accuracy"] - 0.02, summary
 
 
-def test_a_worker_added_while_the_job_runs_joins_and_takes_data(ray_cluster, tmp_path):
-    """Through the Python API (psworker.ray.run) with tokens on, scaled by the CLI (--set-workers)."""
+def test_a_worker_added_while_the_job_runs_joins_takes_data_and_leaves_when_scaled_down(ray_cluster, tmp_path):
+    """Through the Python API (psworker.ray.run) with tokens on, scaled by the README's command
+    (--set-workers): 2 workers, then 3, then 2 again, the newest stopping and handing back."""
     script = (f"import json, logging, psworker.ray\n"
               f"logging.basicConfig(level=logging.INFO)\n"
               f"summary = psworker.ray.run({TASK!r}, address={ray_cluster.gcs!r}, shards=2, workers=2, "
               f"job_name='grow', run_dir={str(tmp_path / 'run')!r}, shard_resources={{'ps_shard': 1}}, "
-              f"worker_resources={{'ps_worker': 1}}, auth=True)\n"
+              f"worker_resources={{'ps_worker': 1}}, auth=True, worker_args=['--epochs', '300'])\n"
               f"print(json.dumps(summary))\n")
     job = start_job(ray_cluster, tmp_path, [sys.executable, "-c", script])
+    scale = readme_line(".venv/bin/pscluster --ray A:6379 --job-name", ray_cluster, tmp_path)
+    scale[scale.index("--job-name") + 1] = "grow"
+
+    def set_workers(n: int) -> None:
+        scale[scale.index("--set-workers") + 1] = str(n)
+        scaled = ray_cluster.run(ray_cluster.head, scale, cwd=ROOT)
+        assert json.loads(scaled.stdout.splitlines()[-1])["workers"] == n
+
     try:
         job.wait_for(r"worker-\d+ step \d+", timeout=120)
-        scale = readme_line(".venv/bin/pscluster --ray A:6379 --job-name", ray_cluster, tmp_path)
-        scale[scale.index("--job-name") + 1] = "grow"
-        scaled = ray_cluster.run(ray_cluster.head, scale, cwd=ROOT)
-        assert json.loads(scaled.stdout.splitlines()[-1])["workers"] == 3
-        job.wait_for(r"worker-2 runs on", timeout=60)
+        set_workers(3)
+        job.wait_for(r"\[worker-2\].* step \d+", timeout=90)  # it trains
+        set_workers(2)
+        job.wait_for(r"scaling to 2 worker\(s\): stopping 1", timeout=30)
         summary = job.summary(timeout=200)
     finally:
         if job.popen.poll() is None:
             job.popen.kill()
-    by_worker = {r["worker"]: r["data"]["examples"] for r in summary["per_worker"]}
+    by_worker = {r["worker"]: r["data"] for r in summary["per_worker"]}
     assert set(by_worker) == {"worker-0", "worker-1", "worker-2"}, by_worker
-    assert by_worker["worker-2"] > 0, f"the added worker trained nothing: {by_worker}"
+    added = by_worker["worker-2"]
+    assert added["examples"] > 0 and added["stopped"], f"the added worker: {added}"
+    assert not by_worker["worker-0"]["stopped"] and not by_worker["worker-1"]["stopped"]
     # Tokens were checked on every shard: the workers on every node read theirs from the run directory.
     assert len(re.findall(r"\[shard\d\].*token\(s\) checked", job.log())) == 2, job.log()[-3000:]
     assert "no tokens are checked" not in job.log()
-    assert_all_data(summary)
+    data = summary["data"]
+    assert data["finished"] and data["examples_done"] == data["job"]["total"] == 2 * TOTAL, data
 
 
 def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ray_cluster, tmp_path):
