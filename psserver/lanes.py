@@ -16,6 +16,11 @@ Anyone who reaches the bulk port may connect, so a lane earns every resource it 
   and waits for that thread to send it. TLS (``pswire.tlsbio.TLSStream``) is negotiated there
   too, never in the accept loop, within ``handshake_seconds``.
 
+- a whole call (``CALL``, the data path's small calls) is read within ``stall_seconds`` under the
+  same budget, up to ``pswire.lanes.CALL_LIMIT`` bytes, and runs on the lane's own thread (the
+  shard's handler, ``take_calls``), which then sends its ``REPLY``: a session's calls on lanes are
+  bounded by its lanes, as its gRPC calls are by admission control.
+
 A staged push waits in a table keyed by ``(lane, token)`` until the ``PushInline`` naming it
 claims it; a lane holds at most one staged push (its worker makes one call at a time), and its
 staged bytes are dropped when it closes, so staged memory is bounded by the open lanes.
@@ -29,6 +34,7 @@ import secrets
 import select
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections import deque
@@ -46,13 +52,17 @@ from pswire.tlsbio import TLSStream
 from psserver.buffers import BufferPool
 from psserver.inflight import InflightBudget, Transfer
 
-__all__ = ["LaneServer", "SessionSecret", "admission", "owner_admission"]
+__all__ = ["LaneCalls", "LaneServer", "SessionSecret", "admission", "owner_admission"]
 
 log = logging.getLogger(__name__)
 
 SessionSecret = Callable[[int, int], "bytes | None"]
 """``(worker_id, generation) -> secret`` of that live session, or None when there is none."""
 
+LaneCalls = Callable[[str, memoryview, "tuple[int, int]", float], "tuple[int, bytes]"]
+"""``(method, serialized request, (worker_id, generation) of the lane, timeout) -> (status,
+body)``: runs one call a lane carried (``pswire.lanes.CALL``) and gives its ``REPLY``."""
+_TIMEOUT = struct.Struct("<I")
 PIECE_BYTES = 4 << 20
 """A push's bytes are budgeted and deadlined in pieces of this size."""
 ROOM_SECONDS = 60.0
@@ -184,6 +194,12 @@ class LaneServer:
         self._stopped = False
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="psserver-lanes", daemon=True)
+        self._calls: LaneCalls | None = None
+
+    def take_calls(self, calls: "LaneCalls") -> None:
+        """Answer the ``CALL`` frames of every lane with ``calls`` (before ``start``; without
+        it, a call closes its lane)."""
+        self._calls = calls
 
     def start(self) -> None:
         self._thread.start()
@@ -372,9 +388,12 @@ class LaneServer:
             return False
         try:
             wire.recv_into(sock, header[got:], time.monotonic() + self._stall_seconds)
+            if header[:4] == wire.CALL_TAG:
+                self._call(lane, header)
+                return True
             tag, token, nbytes = wire.PUSH.unpack(header)
             if tag != wire.PUSH_TAG:
-                raise wire.LaneError(f"expected a push frame, got {bytes(tag)!r}")
+                raise wire.LaneError(f"expected a push or call frame, got {bytes(tag)!r}")
             if self._session_secret(*owner) is None:
                 raise wire.LaneError(f"session {owner[0]}/{owner[1]} ended")
             if nbytes > self._max_bytes:
@@ -386,6 +405,34 @@ class LaneServer:
             raise wire.LaneError(f"stalled inside a frame for {self._stall_seconds:g}s") from None
         self._stage(lane, token, staged)
         return staged.error is None
+
+    def _call(self, lane: _Lane, header: memoryview) -> None:
+        """Read a whole call, run it on this thread and send its reply. Raises ``LaneError``
+        (the lane closes) for a call this shard cannot take: no handler, an unknown method, a
+        body above ``CALL_LIMIT`` or one that stalls; ``TimeoutError`` past the stall limit."""
+        _, token, method, nbytes = wire.CALL.unpack(header)
+        if self._calls is None:
+            raise wire.LaneError("this shard takes no calls on its lanes")
+        if method >= len(wire.LANE_METHODS):
+            raise wire.LaneError(f"call of unknown method {method} on the lane")
+        if not 4 <= nbytes <= wire.CALL_LIMIT:
+            raise wire.LaneError(f"call of {nbytes} bytes on the lane (at most {wire.CALL_LIMIT})")
+        assert lane.owner is not None
+        # The body's bytes are budgeted while they arrive; the handler budgets what it keeps.
+        transfer = self._budget.transfer()
+        try:
+            self._make_room(lane, transfer, nbytes)
+            body = bytearray(nbytes)
+            wire.recv_into(lane.sock, memoryview(body), time.monotonic() + self._stall_seconds)
+        finally:
+            transfer.close()
+        (timeout_ms,) = _TIMEOUT.unpack_from(body)
+        status, reply = self._calls(
+            wire.LANE_METHODS[method], memoryview(body)[_TIMEOUT.size:], lane.owner, timeout_ms / 1000.0
+        )
+        del body
+        lane.sock.settimeout(self._stall_seconds)
+        wire.send_views(lane.sock, wire.REPLY.pack(wire.REPLY_TAG, token, status, len(reply)), [memoryview(reply)])
 
     def _receive(self, lane: _Lane, nbytes: int) -> _Staged:
         """A push's bytes, each piece budgeted just before it is read."""

@@ -202,6 +202,8 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
         checkpointer=checkpointer, lanes=lanes, budget=budget, stream_idle_timeout=config.stream_idle_timeout,
     )
     add_to_server(servicer, server)
+    if lanes is not None:
+        lanes.take_calls(servicer.lane_calls(metrics.rpc if metrics is not None else None))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if metrics is not None:

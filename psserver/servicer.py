@@ -18,7 +18,8 @@ from psserver.buffers import BufferPool, trim_heap
 from pswire.data import DataTask
 from psserver.guard import CallGuard, IdleStreams, Undecodable, tolerant
 from psserver.inflight import InflightBudget, Transfer
-from psserver.lanes import LaneServer
+from psserver.lanes import LaneCalls, LaneServer
+from pswire.lanes import LANE_METHODS, RETRYABLE_FLAG
 from psserver.checkpoint import CheckpointError
 from psserver.store import PullSnapshot, Registration, ShardStore
 from pswire.wire import (
@@ -97,6 +98,55 @@ def _time_left(context: grpc.ServicerContext | None, margin: float = 0.0) -> flo
     return 30.0 if remaining is None else max(0.0, remaining - margin)
 
 
+def _transport(context) -> str:
+    """How a call's own bytes came or go: in gRPC messages, or in a call a bulk lane carried."""
+    return "lane" if isinstance(context, LaneContext) else "grpc"
+
+
+class _Aborted(Exception):
+    """``LaneContext.abort``: the handler ended the call with a status."""
+
+
+class LaneContext:
+    """The part of ``grpc.ServicerContext`` the handlers use, for a call a bulk lane carried
+    whole (``pswire.lanes.CALL``): its deadline, and the status it ends with."""
+
+    def __init__(self, timeout: float) -> None:
+        self._deadline = time.monotonic() + timeout
+        self._code: grpc.StatusCode | None = None
+        self.details = ""
+        self.retryable = False
+
+    def time_remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self.details = code, details
+        raise _Aborted(details)
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def is_active(self) -> bool:
+        return True
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.retryable = RETRYABLE in tuple(tuple(item) for item in metadata)
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+
+def _lane_owners(method: str, request) -> list[tuple[int, int, bool]]:
+    """``(worker_id, generation, names a bulk transfer)`` of each part of a lane call's request."""
+    if method == "PushPull":
+        return [*_lane_owners("PushInline", request.push), *_lane_owners("PullInline", request.pull)]
+    if method == "PushInline":
+        return [(request.header.worker_id, request.header.generation, request.HasField("bulk"))]
+    bulk = method == "PullInline" and request.HasField("bulk")
+    return [(request.worker_id, request.generation, bulk)]
+
+
 def _views(snapshot: PullSnapshot) -> list[memoryview]:
     """The bytes of every part a pull sends, in order."""
     return [array_bytes(p.value) for p in snapshot.parts if p.value is not None]
@@ -155,6 +205,43 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._max_request_bytes = max_request_bytes
         self._buffers = BufferPool()  # one free buffer per part and push once in flight at once
         self.traffic = Traffic()
+
+    def lane_calls(self, timer=None) -> LaneCalls:
+        """The handler of the calls bulk lanes carry whole (``LaneServer.take_calls``): each
+        method's own handler, behind the same guard (and call timer, ``psserver.metrics.RpcTimer``)
+        as its gRPC call. A request must name the session that opened its lane, and may not name
+        a bulk transfer (those calls go through gRPC, their bytes on the lane)."""
+        handlers = {}
+        for name in LANE_METHODS:
+            request_type = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name[name].input_type
+            handler = self.guard.unary(name, getattr(self, name))
+            if timer is not None:
+                handler = timer.timed_unary(name, handler)
+            handlers[name] = (tolerant(getattr(ps_pb2, request_type.name).FromString), handler)
+
+        def call(method: str, body: memoryview, owner: tuple[int, int], timeout: float) -> tuple[int, bytes]:
+            decode, handler = handlers[method]
+            context = LaneContext(timeout)
+            request = decode(bytes(body))
+            try:
+                if not isinstance(request, Undecodable):
+                    for worker_id, generation, bulk in _lane_owners(method, request):
+                        if (worker_id, generation) != owner:
+                            context.abort(grpc.StatusCode.PERMISSION_DENIED, (
+                                f"{method} on bulk lane of session {owner[0]}/{owner[1]} names session "
+                                f"{worker_id}/{generation}: a lane carries only its own session's calls"))
+                        if bulk:
+                            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                          f"{method} carried on a bulk lane cannot name a bulk transfer")
+                reply = handler(request, context)
+            except _Aborted:
+                code = context.code()
+                assert code is not None
+                status = code.value[0] | (RETRYABLE_FLAG if context.retryable else 0)
+                return status, context.details.encode("utf-8", "replace")
+            return 0, reply.SerializeToString()
+
+        return call
 
     def stop(self) -> None:
         """Stop the idle-stream watchdog (the server has stopped serving)."""
@@ -277,7 +364,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise
         if initialize:
             return parts, received, transfer.close
-        self.traffic.pushed("grpc", sum(p.nbytes for p in sent))
+        self.traffic.pushed(_transport(context), sum(p.nbytes for p in sent))
 
         def release() -> None:
             self._buffers.give(*received)
@@ -397,7 +484,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             rows = self._store.decode_rows(header.rows) if header.rows else ()
             if rows:
-                self.traffic.pushed("grpc", sum(len(b.ids) + len(b.values) for b in header.rows))
+                self.traffic.pushed(_transport(context), sum(len(b.ids) + len(b.values) for b in header.rows))
             result = self._store.apply_push(
                 header.worker_id, header.generation, header.sequence, header.base_version, parts, grads,
                 clock=header.clock, base_clock=header.base_clock,
@@ -542,7 +629,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if nbytes > INLINE_LIMIT:
                 _abort(context, errors.TooLargeError(f"this shard holds over {INLINE_LIMIT} bytes: use Pull"))
             reply = ps_pb2.InlinePull(header=header, data=[bytes(v) for v in views])
-        self.traffic.pulled("grpc", nbytes)
+        self.traffic.pulled(_transport(context), nbytes)
         return reply
 
     def _pull_on_lane(self, request: ps_pb2.PullRequest, context: grpc.ServicerContext) -> ps_pb2.InlinePull:
@@ -589,7 +676,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         reply = ps_pb2.PullRowsResponse(version=version, clock=clock,
                                         rows=[rows_to_proto(name, ids, values) for name, ids, values in rows])
-        self.traffic.pulled("grpc", sum(len(b.values) for b in reply.rows))
+        self.traffic.pulled(_transport(context), sum(len(b.values) for b in reply.rows))
         return reply
 
     def Status(self, request: ps_pb2.StatusRequest, context: grpc.ServicerContext) -> ps_pb2.StatusResponse:

@@ -83,6 +83,9 @@ class WorkerConfig:
                        "computes (hides communication behind compute, at one step of extra staleness).", flag=True)
     no_bulk: bool = _f(False, "Send every byte through gRPC, never on the shards' bulk lanes (plain TCP beside gRPC "
                        "that carries large pushes and pulls, used when a shard offers one and its port is reachable).", flag=True)
+    no_lane_calls: bool = _f(False, "Make the small calls of every step (inline pushes and pulls, row reads) as gRPC "
+                             "calls; by default they travel whole on a bulk lane, which costs a tenth of the CPU.",
+                             flag=True)
     eval_every: int = _f(0, "Evaluate the current model on the test split every N steps (0: only at the end); "
                          "results go to \"evals\" in the JSON line.")
     record_losses: bool = _f(False, "Include every step's loss in the JSON result (\"losses\").", flag=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,8 @@ None while it has none."""
 
 CONNECT_SECONDS = 2.0
 """How long a lane may take to connect and authenticate before the pool falls back to gRPC."""
+_TIMEOUT = struct.Struct("<I")
+_TIMEOUT_MAX = (1 << 32) - 1
 RETRY_SECONDS = 30.0
 """How long the pool sends everything through gRPC after a lane failed to open."""
 
@@ -45,7 +48,7 @@ class Lane:
         self.port = port
         self.epoch = epoch
         self._token = 0
-        self._header = memoryview(bytearray(wire.PULL.size))
+        self._header = memoryview(bytearray(wire.PULL.size))  # a PULL's header, or a REPLY's (shorter)
 
     def next_token(self) -> int:
         self._token += 1
@@ -66,6 +69,23 @@ class Lane:
         if tag != wire.PULL_TAG or got != token:
             raise wire.LaneError(f"expected pull {token} on the lane, got frame {bytes(tag)!r} for {got}")
         return wire.recv_exactly(self.sock, header_len), nbytes
+
+    def call(self, method: int, request: bytes, timeout: float) -> tuple[int, bytes]:
+        """Send a whole call (``pswire.lanes.CALL``) and wait for its reply: ``(status, body)``.
+        Raises ``TimeoutError`` past ``timeout`` and ``LaneError`` for a reply out of turn."""
+        token = self.next_token()
+        deadline = time.monotonic() + max(timeout, 0.001)
+        self.sock.settimeout(max(timeout, 0.001))
+        body = _TIMEOUT.pack(min(int(timeout * 1000), _TIMEOUT_MAX)) + request
+        self.sock.sendall(wire.CALL.pack(wire.CALL_TAG, token, method, len(body)) + body)
+        header = self._header[: wire.REPLY.size]
+        wire.recv_into(self.sock, header, deadline)
+        tag, got, status, nbytes = wire.REPLY.unpack(header)
+        if tag != wire.REPLY_TAG or got != token:
+            raise wire.LaneError(f"expected the reply to call {token} on the lane, got frame {bytes(tag)!r} for {got}")
+        if nbytes > wire.REPLY_LIMIT:
+            raise wire.LaneError(f"the shard announced a reply of {nbytes} bytes (at most {wire.REPLY_LIMIT})")
+        return status, wire.recv_exactly(self.sock, nbytes, deadline)
 
     def receive_into(self, view: memoryview) -> None:
         wire.recv_into(self.sock, view)
@@ -183,7 +203,7 @@ class LanePool:
         with self._lock:
             self._retry_at = time.monotonic() + RETRY_SECONDS
         log.warning(
-            "bulk lane to %s:%d unavailable (%s); large transfers go through gRPC for %.0fs",
+            "bulk lane to %s:%d unavailable (%s); every call and its bytes go through gRPC for %.0fs",
             self.host, port, exc, RETRY_SECONDS,
         )
         return None

@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from pswire import errors, frames
-from pswire.lanes import LaneError
+from pswire.lanes import CALL_LIMIT, LANE_METHODS, RETRYABLE_FLAG, LaneError
 from pswire.security import ClientSecurity, host_of
 from pswire.codec import ChunkAssembler, Part, on_wire, wire_dtype_from_proto
 from pswire.v1 import ps_pb2
@@ -28,6 +28,33 @@ __all__ = ["KEEPALIVE_MS", "SERVICE", "ClientOptions", "ClientSecurity", "ShardC
 _LEAVE_TIMEOUT = 5.0
 """Deadline of a Leave (at most ``ClientOptions.timeout``): it runs on the way out, and a shard
 that does not answer it evicts the worker when its lease runs out anyway."""
+
+
+_RESPONSES = {
+    name: getattr(ps_pb2, ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name[name].output_type.name)
+    for name in LANE_METHODS
+}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class LaneCallError(grpc.RpcError):
+    """A call a bulk lane carried that the shard answered with an error status, in the shape of
+    gRPC's error (``code``, ``details``, ``trailing_metadata``) for ``psworker.retry.translate``."""
+
+    def __init__(self, status: int, details: bytes) -> None:
+        super().__init__(details.decode("utf-8", "replace"))
+        self._code = _CODES.get(status & 0xFF, grpc.StatusCode.UNKNOWN)
+        self._details = details.decode("utf-8", "replace")
+        self._retryable = bool(status & RETRYABLE_FLAG)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return (("ps-retryable", "1"),) if self._retryable else ()
 
 
 class ShardClient(ShardChannel):
@@ -87,7 +114,7 @@ class ShardClient(ShardChannel):
         nbytes = sum(len(b) for b in buffers)
         if nbytes <= self.options.inline_bytes:
             request = ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers])
-            return self._call(self._stub.PushInline, request, nbytes=nbytes)
+            return self._small("PushInline", request, self.options.deadline(nbytes))
         lane = self.lanes.take()
         if lane is None:
             return self._call(self._push_stream, self._stream(header, buffers), nbytes=nbytes)
@@ -95,6 +122,34 @@ class ShardClient(ShardChannel):
         request = ps_pb2.InlinePush(header=header, bulk=ps_pb2.BulkRef(lane=lane.lane_id, token=token, nbytes=nbytes))
         reply, _ = self._on_lane(lane, self._stub.PushInline, request, self.options.deadline(nbytes), (token, buffers))
         return reply
+
+    def _small(self, method: str, request, timeout: float):
+        """A unary call of the data path (``pswire.lanes.LANE_METHODS``): whole on a bulk lane
+        when one is to be had (``ClientOptions.lane_calls``), else through gRPC. Raises
+        ``pswire.errors`` errors, the same for both: a lane that breaks or times out is closed
+        and the call fails as ``UnavailableError`` or ``DeadlineError`` (retried as gRPC's)."""
+        body = request.SerializeToString()
+        lane = self.lanes.take() if self.options.lane_calls and len(body) < CALL_LIMIT - 64 else None
+        if lane is None:
+            return self._call(getattr(self._stub, method), request, timeout=timeout)
+        try:
+            status, reply = lane.call(LANE_METHODS.index(method), body, timeout)
+        except TimeoutError as exc:
+            lane.close()
+            raise errors.DeadlineError(
+                f"shard {self.address}: {method} not answered on its bulk lane within {timeout:.1f}s "
+                "(DEADLINE_EXCEEDED)") from exc
+        except (OSError, LaneError) as exc:
+            lane.close()
+            raise errors.UnavailableError(f"shard {self.address}: bulk lane broke: {exc}") from exc
+        except BaseException:
+            lane.close()
+            raise
+        self.lanes.give(lane)
+        if status:
+            failed = LaneCallError(status, reply)
+            raise translate(failed, self.address) from failed
+        return _RESPONSES[method].FromString(reply)
 
     def _on_lane(self, lane: Lane, method, request, timeout: float, stage=None, receive=None):
         """One call whose bytes travel on ``lane``: ``stage`` (token, views) is sent before the
@@ -163,7 +218,7 @@ class ShardClient(ShardChannel):
 
     def pull_rows(self, request: ps_pb2.PullRowsRequest, nbytes: int, *, may_wait: bool) -> ps_pb2.PullRowsResponse:
         """Rows of the job's tables (``nbytes`` of values expected); ``may_wait`` as :meth:`pull`."""
-        return self._call(self._stub.PullRows, request, timeout=self._pull_deadline(nbytes, may_wait))
+        return self._small("PullRows", request, self._pull_deadline(nbytes, may_wait))
 
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
@@ -186,8 +241,7 @@ class ShardClient(ShardChannel):
             return received
         try:
             if nbytes <= self.options.inline_bytes:
-                reply = self._stub.PullInline(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
-                return self._write_inline(reply, destinations)
+                return self._write_inline(self._small("PullInline", request, timeout), destinations)
             stream = self._pull_stream(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
             first = next(stream, None)
             if not isinstance(first, ps_pb2.PullMessage) or first.WhichOneof("kind") != "header":
@@ -234,10 +288,7 @@ class ShardClient(ShardChannel):
             call.pull.bulk.CopyFrom(ps_pb2.BulkRef(lane=lane.lane_id, token=token))
             receive = lambda: self._receive_on_lane(lane, token, destinations, timeout)  # noqa: E731
         if lane is None:
-            try:
-                reply = self._stub.PushPull(call, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                raise translate(exc, self.address) from exc
+            reply = self._small("PushPull", call, timeout)
             return (reply.push, *self._write_inline(reply.pull, destinations))
         reply, received = self._on_lane(lane, self._stub.PushPull, call, timeout, stage, receive)
         return (reply.push, *(received or self._write_inline(reply.pull, destinations)))

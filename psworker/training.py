@@ -173,7 +173,8 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         options = ClientOptions(
             timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
             retry_timeout=config.retry_timeout,
-            wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk, security=config.security,
+            wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk, lane_calls=not config.no_lane_calls,
+            security=config.security,
             on_retry=metrics.retried if metrics is not None else None,
             on_exchange=metrics.exchanged if metrics is not None else None,
         )

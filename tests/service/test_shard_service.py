@@ -392,7 +392,9 @@ def test_large_parts_move_in_chunks_and_split_across_two_shards(make_shard, open
         "bias": torch.arange(8, dtype=torch.float32),
     }
     grads = {"emb": torch.full((256, 512), 0.25).contiguous(), "bias": torch.full((8,), -2.0)}
-    options = ClientOptions(timeout=RPC_TIMEOUT, connect_timeout=RPC_TIMEOUT, chunk_bytes=4096, bulk=bulk)
+    # Small calls stay on gRPC here (no lane calls): a lane opens only for bytes above the inline limit.
+    options = ClientOptions(timeout=RPC_TIMEOUT, connect_timeout=RPC_TIMEOUT, chunk_bytes=4096, bulk=bulk,
+                            lane_calls=False)
     with PSClient([s.address for s in shards], options) as client:
         client.wait_connected()
         assert client.register(spec, SGD, worker_name="worker-0", initial_values=initial)

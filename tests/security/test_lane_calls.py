@@ -1,0 +1,267 @@
+"""Security tier: whole calls on the bulk lanes (``pswire.lanes.CALL``/``REPLY``).
+
+A lane that carries a call runs the shard's own handler on the lane's thread, so everything a
+gRPC call is checked for, a lane call is checked for too, and the lane adds its own rules: the
+request must name the session that opened the lane, may not name a bulk transfer, and may not
+announce more than ``CALL_LIMIT`` bytes or stall inside its body. Each refusal leaves the shard's
+state unchanged and the shard serving. Part of it runs against a ``LaneServer`` alone (a handler
+that records what it was given), part against a real in-process shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import time
+
+import grpc
+import pytest
+import torch
+
+from psserver.config import ServerConfig
+from psserver.inflight import InflightBudget
+from psserver.lanes import LaneServer
+from psserver.server import create_server
+from pswire import errors
+from pswire import lanes as wire
+from pswire.dtypes import FLOAT32
+from pswire.optim import OptimizerConfig
+from pswire.placement import VariableSpec
+from pswire.v1 import ps_pb2
+from psworker.client import ClientOptions, PSClient
+from psworker.shard import LaneCallError
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT = 10.0
+OWNER = (5, 1)
+SGD = OptimizerConfig(name="sgd", lr=0.5)
+SPEC = [VariableSpec("w", (8, 4), FLOAT32), VariableSpec("b", (4,), FLOAT32)]
+INITIAL = {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4) / 4, "b": torch.tensor([1.0, -2.0, 0.5, 0.0])}
+GRADS = {"w": torch.full((8, 4), 0.5), "b": torch.tensor([2.0, -4.0, 1.0, 8.0])}
+
+
+def stepped(n: int) -> dict[str, torch.Tensor]:
+    return {k: v - n * 0.5 * GRADS[k] for k, v in INITIAL.items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def lane_socket(port: int, secret: bytes, owner: tuple[int, int]) -> socket.socket:
+    """An authenticated lane driven by hand."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+    tag, lane_id, nonce = wire.GREETING.unpack(wire.recv_exactly(sock, wire.GREETING.size))
+    assert tag == wire.GREETING_TAG
+    sock.sendall(wire.AUTH.pack(wire.AUTH_TAG, *owner, wire.lane_proof(secret, lane_id, nonce)))
+    assert wire.recv_exactly(sock, len(wire.ACCEPT_TAG)) == wire.ACCEPT_TAG
+    return sock
+
+
+def call(sock: socket.socket, method: str, request: bytes, token: int = 1, timeout_ms: int = 5000) -> tuple[int, bytes]:
+    body = struct.pack("<I", timeout_ms) + request
+    sock.sendall(wire.CALL.pack(wire.CALL_TAG, token, wire.LANE_METHODS.index(method), len(body)) + body)
+    tag, got, status, nbytes = wire.REPLY.unpack(wire.recv_exactly(sock, wire.REPLY.size))
+    assert (tag, got) == (wire.REPLY_TAG, token)
+    return status, wire.recv_exactly(sock, nbytes)
+
+
+def hung_up(sock: socket.socket, timeout: float = WAIT) -> bool:
+    """True once the peer closed ``sock`` (whatever it sent first), False past ``timeout``."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+# -- the lane server alone ----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def lane_server(secret: bytes, calls=None, **options):
+    server = LaneServer("127.0.0.1", 0, max_bytes=1 << 20, session_secret=lambda w, g: secret if (w, g) == OWNER
+                        else None, **options)
+    if calls is not None:
+        server.take_calls(calls)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_call_is_answered_on_its_lane_with_the_handler_s_reply():
+    secret, seen = os.urandom(32), []
+
+    def calls(method, body, owner, timeout):
+        seen.append((method, bytes(body), owner, timeout))
+        return (0, b"reply:" + bytes(body)) if method == "PullRows" else (7 | wire.RETRYABLE_FLAG, b"no")
+
+    with lane_server(secret, calls) as server, lane_socket(server.port, secret, OWNER) as sock:
+        assert call(sock, "PullRows", b"abc", token=1, timeout_ms=2500) == (0, b"reply:abc")
+        assert call(sock, "PushPull", b"", token=2) == (7 | wire.RETRYABLE_FLAG, b"no")  # the lane stays open
+        assert seen == [("PullRows", b"abc", OWNER, 2.5), ("PushPull", b"", OWNER, 5.0)]
+
+
+@pytest.mark.parametrize("frame", [
+    pytest.param(lambda: wire.CALL.pack(wire.CALL_TAG, 1, len(wire.LANE_METHODS), 8) + bytes(8), id="unknown-method"),
+    pytest.param(lambda: wire.CALL.pack(wire.CALL_TAG, 1, 0, wire.CALL_LIMIT + 1), id="above-the-limit"),
+    pytest.param(lambda: wire.CALL.pack(wire.CALL_TAG, 1, 0, 2) + bytes(2), id="no-room-for-a-timeout"),
+])
+def test_a_call_the_shard_cannot_take_closes_its_lane_and_holds_nothing(frame):
+    secret, seen = os.urandom(32), []
+    budget = InflightBudget(64 << 20)
+    with lane_server(secret, lambda *a: seen.append(a) or (0, b""), budget=budget) as server:
+        with lane_socket(server.port, secret, OWNER) as sock:
+            sock.sendall(frame())
+            assert hung_up(sock)
+        assert seen == [] and budget.held == 0
+        with lane_socket(server.port, secret, OWNER) as sock:  # the port still serves
+            assert call(sock, "PullInline", b"x") == (0, b"")
+
+
+def test_a_call_that_stalls_inside_its_body_is_cut_and_its_budget_released():
+    secret, seen = os.urandom(32), []
+    budget = InflightBudget(64 << 20)
+    with lane_server(secret, lambda *a: seen.append(a) or (0, b""), budget=budget, stall_seconds=0.3) as server:
+        with lane_socket(server.port, secret, OWNER) as sock:
+            sock.sendall(wire.CALL.pack(wire.CALL_TAG, 1, 0, 1 << 20) + bytes(1000))  # announces 1 MiB, sends 1000
+            deadline = time.monotonic() + WAIT
+            while budget.held == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert 0 < budget.held <= 1 << 20  # held while it arrives ...
+            started = time.monotonic()
+            assert hung_up(sock)
+            assert time.monotonic() - started < 5.0
+        deadline = time.monotonic() + WAIT
+        while budget.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [] and budget.held == 0  # ... and released when the lane is cut
+
+
+def test_a_shard_without_a_call_handler_closes_a_lane_that_sends_one():
+    secret = os.urandom(32)
+    with lane_server(secret) as server, lane_socket(server.port, secret, OWNER) as sock:
+        sock.sendall(wire.CALL.pack(wire.CALL_TAG, 1, 0, 8) + bytes(8))
+        assert hung_up(sock)
+
+
+# -- a real shard -------------------------------------------------------------------------------
+
+@pytest.fixture
+def shard():
+    started = create_server(ServerConfig(port=0))
+    yield started
+    started.stop(grace=0)
+
+
+def client_for(shard, **options) -> PSClient:
+    client = PSClient([shard.address], ClientOptions(timeout=WAIT, connect_timeout=WAIT, **options))
+    client.wait_connected()
+    return client
+
+
+@pytest.mark.parametrize("lane_calls", [True, False], ids=["lane-calls", "grpc"])
+def test_small_calls_travel_whole_on_a_lane_unless_turned_off(shard, lane_calls):
+    with client_for(shard, lane_calls=lane_calls) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        assert client.pull(dest) == [0]
+        assert same(dest, INITIAL)
+        (reply,) = client.push(GRADS)
+        assert reply.version == 1
+        (reply,) = client.push_pull(GRADS, dest)
+        assert (reply.version, reply.staleness) == (2, 1)
+        assert same(dest, stepped(2))
+        assert shard.lanes.open_lanes == (1 if lane_calls else 0)
+        model = sum(v.numel() * 4 for v in INITIAL.values())
+        used, unused = ("lane", "grpc") if lane_calls else ("grpc", "lane")
+        pushed, pulled = shard.servicer.traffic.totals()
+        assert (pushed[used], pushed[unused]) == (2 * model, 0)
+        assert (pulled[used], pulled[unused]) == (2 * model, 0)
+
+
+def _registered(shard):
+    client = client_for(shard)
+    client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+    (session,) = client._sessions
+    header = client._header(session, 0)
+    header.sequence = 1
+    return client, session, header
+
+
+def _push(header: ps_pb2.TensorHeader, grads=GRADS, **fields) -> ps_pb2.InlinePush:
+    return ps_pb2.InlinePush(header=header, data=[grads[k].numpy().tobytes() for k in ("w", "b")], **fields)
+
+
+def _code(status: int) -> grpc.StatusCode:
+    return LaneCallError(status, b"").code()
+
+
+def test_lane_calls_are_checked_as_grpc_calls_are_and_change_nothing_when_refused(shard):
+    client, session, header = _registered(shard)
+    other = client_for(shard)
+    try:
+        assert not other.register(SPEC, SGD, worker_name="w1")
+        (theirs,) = other._sessions
+        their_header = other._header(theirs, 0)
+        their_header.sequence = 1
+        with lane_socket(shard.lanes.port, session.secret, (session.worker_id, session.generation)) as sock:
+            refusals = {
+                # Another live worker's call, on this worker's lane.
+                "another session": (_push(their_header), grpc.StatusCode.PERMISSION_DENIED, "names session"),
+                # A call on a lane naming a transfer on a lane.
+                "bulk": (_push(header, bulk=ps_pb2.BulkRef(lane=1, token=1, nbytes=144)),
+                         grpc.StatusCode.INVALID_ARGUMENT, "bulk transfer"),
+                # A NaN gradient: refused whole, as through gRPC.
+                "nan": (_push(header, {**GRADS, "b": torch.tensor([1.0, float("nan"), 0.0, 0.0])}),
+                        grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+            }
+            bad_secret = ps_pb2.TensorHeader()
+            bad_secret.CopyFrom(header)
+            bad_secret.session = os.urandom(32)
+            refusals["wrong secret"] = (_push(bad_secret), grpc.StatusCode.UNAUTHENTICATED, "")
+            for token, (what, (request, code, words)) in enumerate(refusals.items(), 1):
+                status, details = call(sock, "PushInline", request.SerializeToString(), token)
+                assert _code(status) == code, what
+                assert words in details.decode(), what
+            status, details = call(sock, "PushInline", b"\xff\xff\xff", token=10)  # undecodable
+            assert _code(status) == grpc.StatusCode.INVALID_ARGUMENT and b"undecodable" in details
+            (st,) = client.status()
+            assert st.pushes_applied == 0
+            # The same lane then carries a good call.
+            status, reply = call(sock, "PushInline", _push(header).SerializeToString(), token=11)
+            assert status == 0 and ps_pb2.PushResponse.FromString(reply).version == 1
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        assert client.pull(dest) == [1]
+        assert same(dest, stepped(1))
+    finally:
+        other.close()
+        client.close()
+
+
+def test_a_lane_call_after_the_session_ended_is_told_to_register_again(shard):
+    with client_for(shard) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        client.push_pull(GRADS, dest)
+        (session,) = client._sessions
+        with lane_socket(shard.lanes.port, session.secret, (session.worker_id, session.generation)) as sock:
+            shard.store.leave(session.worker_id, session.generation)
+            header = client._header(session, 0)
+            header.sequence = 2
+            status, details = call(sock, "PushInline", _push(header).SerializeToString())
+            assert _code(status) == grpc.StatusCode.ABORTED and b"re-register" in details
+        with pytest.raises(errors.FencedError, match="re-register"):  # the client's own lane call, alike
+            client.push_pull(GRADS, dest)
+        deadline = time.monotonic() + WAIT  # the hand-driven lane closes; the client's stays open
+        while shard.lanes.open_lanes != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert shard.lanes.open_lanes == 1
