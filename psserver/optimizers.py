@@ -50,10 +50,17 @@ _FLOAT32 = np.dtype(np.float32)
 
 
 def _is_float(dtype: np.dtype) -> bool:
-    try:
-        return dtype_of(dtype).is_floating_point
-    except InvalidArgumentError:
-        return False
+    found = _IS_FLOAT.get(dtype)
+    if found is None:
+        try:
+            found = dtype_of(dtype).is_floating_point
+        except InvalidArgumentError:
+            found = False
+        _IS_FLOAT[dtype] = found
+    return found
+
+
+_IS_FLOAT: dict[np.dtype, bool] = {}
 
 
 def _flat_slicer(a: np.ndarray) -> Callable[[int, int], np.ndarray]:

@@ -319,7 +319,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def _expect(self, header: ps_pb2.TensorHeader, *, initialize: bool) -> tuple[list[Part], list[Part]]:
         """The parts a push or initialisation announces, validated, and the same parts as they
         travel (narrower when the worker compresses them)."""
-        parts = self._store.upload_parts([Part.from_proto(p) for p in header.parts], initialize=initialize,
+        parts = self._store.upload_parts([Part.parsed(p) for p in header.parts], initialize=initialize,
                                          rows=bool(header.rows))
         if initialize and header.rows:
             raise errors.InvalidArgumentError("an initialisation carries no table rows (rows start at their initial "

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator, Sequence
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -56,33 +57,39 @@ class Part:
         if not isinstance(self.dtype, DType):  # a torch or numpy dtype, or a name
             object.__setattr__(self, "dtype", dtype_of(self.dtype))
 
-    @property
+    @cached_property
     def rows(self) -> int:
         """Rows of the whole variable (1 for a scalar)."""
         return self.full_shape[0] if self.full_shape else 1
 
-    @property
+    @cached_property
     def is_whole(self) -> bool:
         return self.row_start == 0 and self.row_end == self.rows
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, ...]:
         if not self.full_shape:
             return ()
         return (self.row_end - self.row_start, *self.full_shape[1:])
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    @property
+    @cached_property
     def key(self) -> str:
         """Shard-local identity, also used in pull version maps and error messages."""
         return self.name if self.is_whole else f"{self.name}[{self.row_start}:{self.row_end}]"
+
+    @cached_property
+    def spec(self) -> ps_pb2.PartSpec:
+        """``to_proto()``, made once: shared, so read it or copy it (a repeated field's
+        assignment copies), never change it."""
+        return self.to_proto()
 
     def to_proto(self) -> ps_pb2.PartSpec:
         return ps_pb2.PartSpec(
@@ -109,8 +116,25 @@ class Part:
             )
         return part
 
+    @classmethod
+    def parsed(cls, msg: ps_pb2.PartSpec) -> "Part":
+        """``from_proto``, remembered: workers and shards name the same few parts in every push
+        and pull (a bounded table, emptied when full)."""
+        key = msg.SerializeToString()
+        part = _PARSED.get(key)
+        if part is None:
+            part = cls.from_proto(msg)
+            if len(_PARSED) >= _PARSED_MAX:
+                _PARSED.clear()
+            _PARSED[key] = part
+        return part
+
     def describe(self) -> str:
         return f"{self.key} {dtype_name(self.dtype)}{list(self.shape)}"
+
+
+_PARSED: dict[bytes, Part] = {}
+_PARSED_MAX = 4096
 
 
 def array_bytes(array: np.ndarray) -> memoryview:

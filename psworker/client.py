@@ -217,7 +217,7 @@ class PSClient(AdminClient):
     def _header(self, session: _ShardSession, base_version: int, parts: Sequence[Part] | None = None) -> ps_pb2.TensorHeader:
         return ps_pb2.TensorHeader(
             worker_id=session.worker_id, generation=session.generation, sequence=session.sequence,
-            session=session.secret, base_version=base_version, parts=[p.to_proto() for p in (session.parts if parts is None else parts)],
+            session=session.secret, base_version=base_version, parts=[p.spec for p in (session.parts if parts is None else parts)],
             clock=session.clock, base_clock=session.base_clock,
         )
 
@@ -385,20 +385,27 @@ class PSClient(AdminClient):
         blocks = dict(zip(map(id, sessions), self._row_blocks(rows)))
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
-        def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
-            started = time.monotonic()
+        def prepare(session: _ShardSession) -> tuple:
             message = self._push_message(session, grads, data, bases.get(id(session)), blocks[id(session)])
             request, dest, nbytes = self._pull_request(
                 session, destinations, skip_unchanged=True, may_wait=may_wait,
                 clock=session.clock + (message is not None),
             )
+            return message, request, dest, nbytes
+
+        def complete(session: _ShardSession, prepared: tuple, started: float, pending=None) -> ps_pb2.PushResponse | None:
+            message, request, dest, nbytes = prepared
             address = session.client.address
             reply = None
             if message is not None:
-                reply, header, written = retrying(
-                    lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait),
-                    self.options, address, "push and pull",
-                )
+                def attempt():
+                    nonlocal pending
+                    if pending is not None:  # the call already sent: its reply is the first attempt
+                        sent, pending = pending, None
+                        return session.client.finish_push_pull(sent, dest)
+                    return session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait)
+
+                reply, header, written = retrying(attempt, self.options, address, "push and pull")
                 session.clock += 1
             else:
                 header, written = retrying(
@@ -410,8 +417,47 @@ class PSClient(AdminClient):
                 timings.append(_phases(time.monotonic() - started, pushed, nbytes, may_wait))
             return reply
 
-        replies = self._fan_out_waiting(one, sessions, may_wait)
+        if may_wait or len(sessions) == 1 or not self.options.lane_calls:
+            replies = self._fan_out_waiting(lambda s: complete(s, prepare(s), time.monotonic()), sessions, may_wait)
+        else:
+            replies = self._push_pull_whole(sessions, prepare, complete)
         self._report(timings)
+        return replies
+
+    def _push_pull_whole(self, sessions: list[_ShardSession], prepare, complete) -> list[ps_pb2.PushResponse | None]:
+        """An async step's push-and-pull to several shards on one thread: every small call sent
+        whole on its lane first, then each reply read in turn (the shards work meanwhile), where
+        the fan-out would hand each call to a thread of its own. Shards whose calls cannot go
+        whole on a lane (large ones) get theirs in the fan-out, after the lane calls are sent.
+        Every call is finished before an error is raised (the first)."""
+        started = time.monotonic()
+        prepared = [prepare(s) for s in sessions]
+        pending = [
+            s.client.start_push_pull(p[0][0], p[0][1], p[1], p[3]) if p[0] is not None else None
+            for s, p in zip(sessions, prepared)
+        ]
+        rest = [i for i, p in enumerate(pending) if p is None]
+        if len(rest) == len(sessions):
+            return self._fan_out(lambda i: complete(sessions[i], prepared[i], started), rest)
+        later = self._pool.submit(self._fan_out, lambda i: complete(sessions[i], prepared[i], started), rest) \
+            if rest else None
+        replies: list[ps_pb2.PushResponse | None] = [None] * len(sessions)
+        failed: BaseException | None = None
+        for i, sent in enumerate(pending):
+            if sent is None:
+                continue
+            try:
+                replies[i] = complete(sessions[i], prepared[i], started, sent)
+            except BaseException as exc:
+                failed = failed or exc
+        if later is not None:
+            try:
+                for i, reply in zip(rest, later.result()):
+                    replies[i] = reply
+            except BaseException as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         return replies
 
     def _row_blocks(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None) -> list[list[ps_pb2.RowBlock]]:

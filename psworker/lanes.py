@@ -73,11 +73,19 @@ class Lane:
     def call(self, method: int, request: bytes, timeout: float) -> tuple[int, bytes]:
         """Send a whole call (``pswire.lanes.CALL``) and wait for its reply: ``(status, body)``.
         Raises ``TimeoutError`` past ``timeout`` and ``LaneError`` for a reply out of turn."""
-        token = self.next_token()
         deadline = time.monotonic() + max(timeout, 0.001)
+        return self.receive_reply(self.send_call(method, request, timeout), deadline)
+
+    def send_call(self, method: int, request: bytes, timeout: float) -> int:
+        """Send a whole call without waiting for its reply (:meth:`receive_reply`); its token."""
+        token = self.next_token()
         self.sock.settimeout(max(timeout, 0.001))
         body = _TIMEOUT.pack(min(int(timeout * 1000), _TIMEOUT_MAX)) + request
         self.sock.sendall(wire.CALL.pack(wire.CALL_TAG, token, method, len(body)) + body)
+        return token
+
+    def receive_reply(self, token: int, deadline: float) -> tuple[int, bytes]:
+        """The reply to the call sent as ``token``, by ``deadline`` (``time.monotonic()``)."""
         header = self._header[: wire.REPLY.size]
         wire.recv_into(self.sock, header, deadline)
         tag, got, status, nbytes = wire.REPLY.unpack(header)

@@ -7,7 +7,9 @@ decides what is retried and for how long.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -21,7 +23,7 @@ from psworker.channel import KEEPALIVE_MS, SERVICE, ShardChannel
 from psworker.lanes import Lane, LanePool
 from psworker.options import ClientOptions, parse_addresses
 from psworker.retry import retrying, translate
-from psworker.tensors import tensor_bytes, torch_dtype
+from psworker.tensors import tensor_bytes, torch_dtype, write_bytes
 
 __all__ = ["KEEPALIVE_MS", "SERVICE", "ClientOptions", "ClientSecurity", "ShardClient", "parse_addresses"]
 
@@ -57,6 +59,28 @@ class LaneCallError(grpc.RpcError):
         return (("ps-retryable", "1"),) if self._retryable else ()
 
 
+def _session_of(method: str, request) -> tuple[int, int]:
+    """``(worker_id, generation)`` that a call of the data path names (a push-and-pull: its push's)."""
+    if method == "PushPull":
+        request = request.push
+    if method in ("PushPull", "PushInline"):
+        request = request.header
+    return request.worker_id, request.generation
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A call sent whole on a lane (``ShardClient._start``) whose reply is still to be read;
+    ``failed``: why its sending failed (raised when it is finished)."""
+
+    method: str
+    lane: Lane
+    token: int
+    deadline: float
+    timeout: float
+    failed: BaseException | None = None
+
+
 class ShardClient(ShardChannel):
     """Calls to one shard, tensors included. Every call has a deadline; errors are
     ``pswire.errors`` types; no call waits for the connection (see ``ShardChannel``)."""
@@ -74,8 +98,6 @@ class ShardClient(ShardChannel):
         )
         self._narrow: dict[Part, torch.Tensor] = {}
         """Reused receive buffers of compressed parts (see ``ClientOptions.wire_dtype``)."""
-        self._parts: dict[tuple, Part] = {}
-        """Parts as the shard's pull headers describe them (``_part``)."""
         # The bulk methods with the chunk codecs of pswire.frames (the same bytes on the wire).
         path = f"/{SERVICE}/"
         self._push_stream = self._channel.stream_unary(
@@ -128,17 +150,43 @@ class ShardClient(ShardChannel):
         when one is to be had (``ClientOptions.lane_calls``), else through gRPC. Raises
         ``pswire.errors`` errors, the same for both: a lane that breaks or times out is closed
         and the call fails as ``UnavailableError`` or ``DeadlineError`` (retried as gRPC's)."""
-        body = request.SerializeToString()
-        lane = self.lanes.take() if self.options.lane_calls and len(body) < CALL_LIMIT - 64 else None
-        if lane is None:
+        pending = self._start(method, request, timeout)
+        if pending is None:
             return self._call(getattr(self._stub, method), request, timeout=timeout)
+        return self._finish(pending)
+
+    def _start(self, method: str, request, timeout: float) -> "_Pending | None":
+        """Send a call whole on a lane, without waiting for its reply (``_finish`` reads it);
+        None when lane calls are off, the request is too large or no lane is to be had (the
+        request was not sent: use gRPC)."""
+        if not self.options.lane_calls or self.session is None or _session_of(method, request) != self.session[:2]:
+            return None  # a lane carries only its own session's calls (not a read without one, say)
+        body = request.SerializeToString()
+        if len(body) >= CALL_LIMIT - 64:
+            return None
+        lane = self.lanes.take()
+        if lane is None:
+            return None
+        deadline = time.monotonic() + timeout
         try:
-            status, reply = lane.call(LANE_METHODS.index(method), body, timeout)
+            token = lane.send_call(LANE_METHODS.index(method), body, timeout)
+        except BaseException as exc:  # raised by _finish, which closes the lane
+            return _Pending(method, lane, 0, deadline, timeout, exc)
+        return _Pending(method, lane, token, deadline, timeout)
+
+    def _finish(self, pending: "_Pending"):
+        """The reply to a call ``_start`` sent: the response, or its error raised as ``_small``
+        says."""
+        lane = pending.lane
+        try:
+            if pending.failed is not None:
+                raise pending.failed
+            status, reply = lane.receive_reply(pending.token, pending.deadline)
         except TimeoutError as exc:
             lane.close()
             raise errors.DeadlineError(
-                f"shard {self.address}: {method} not answered on its bulk lane within {timeout:.1f}s "
-                "(DEADLINE_EXCEEDED)") from exc
+                f"shard {self.address}: {pending.method} not answered on its bulk lane within "
+                f"{pending.timeout:.1f}s (DEADLINE_EXCEEDED)") from exc
         except (OSError, LaneError) as exc:
             lane.close()
             raise errors.UnavailableError(f"shard {self.address}: bulk lane broke: {exc}") from exc
@@ -149,7 +197,29 @@ class ShardClient(ShardChannel):
         if status:
             failed = LaneCallError(status, reply)
             raise translate(failed, self.address) from failed
-        return _RESPONSES[method].FromString(reply)
+        return _RESPONSES[pending.method].FromString(reply)
+
+    def start_push_pull(
+        self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest, nbytes: int,
+    ) -> "_Pending | None":
+        """Send a push and the pull after it (not waiting on a bound) as one call whole on a
+        lane, and return at once: ``finish_push_pull`` reads the reply, so that a worker's calls
+        to several shards are all under way before it waits for any, on one thread. None when
+        either side is above ``inline_bytes`` or the call cannot go on a lane (use
+        :meth:`push_pull`; nothing was sent)."""
+        limit = self.options.inline_bytes
+        if nbytes > limit or sum(len(b) for b in buffers) > limit:
+            return None
+        push = ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers])
+        return self._start("PushPull", ps_pb2.PushPullRequest(push=push, pull=request),
+                           self._pull_deadline(nbytes + sum(len(b) for b in buffers), False))
+
+    def finish_push_pull(
+        self, pending: "_Pending", destinations: Mapping[str, torch.Tensor],
+    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int]]:
+        """:meth:`push_pull`'s result for a call :meth:`start_push_pull` sent; raises as it."""
+        reply = self._finish(pending)
+        return (reply.push, *self._write_inline(reply.pull, destinations))
 
     def _on_lane(self, lane: Lane, method, request, timeout: float, stage=None, receive=None):
         """One call whose bytes travel on ``lane``: ``stage`` (token, views) is sent before the
@@ -214,7 +284,7 @@ class ShardClient(ShardChannel):
     def data(self, request: ps_pb2.DataRequest) -> ps_pb2.DataResponse:
         """Retried while the shard is unreachable or overloaded: a repeat is harmless, as every
         reply names all the tasks the worker holds (``psworker.elastic``)."""
-        return retrying(lambda: self._call(self._stub.Data, request), self.options, self.address, "data")
+        return retrying(lambda: self._small("Data", request, self.options.timeout), self.options, self.address, "data")
 
     def pull_rows(self, request: ps_pb2.PullRowsRequest, nbytes: int, *, may_wait: bool) -> ps_pb2.PullRowsResponse:
         """Rows of the job's tables (``nbytes`` of values expected); ``may_wait`` as :meth:`pull`."""
@@ -296,16 +366,6 @@ class ShardClient(ShardChannel):
     def _pull_deadline(self, nbytes: int, may_wait: bool) -> float:
         return self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)
 
-    def _part(self, spec: ps_pb2.PartSpec) -> Part:
-        """``Part.from_proto``, remembered: a shard sends the same few parts on every pull."""
-        key = (spec.name, spec.dtype, spec.row_start, spec.row_end, tuple(spec.full_shape))
-        part = self._parts.get(key)
-        if part is None:
-            if len(self._parts) > 4096:
-                self._parts.clear()
-            part = self._parts[key] = Part.from_proto(spec)
-        return part
-
     def _targets(
         self, header: ps_pb2.PullHeader, destinations: Mapping[str, torch.Tensor]
     ) -> tuple[list[tuple[str, Part, torch.Tensor]], dict[str, int]]:
@@ -315,7 +375,7 @@ class ShardClient(ShardChannel):
         targets, versions = [], {}
         wire = wire_dtype_from_proto(header.wire_dtype) if header.wire_dtype else None
         for pulled in header.parts:
-            part = self._part(pulled.spec)
+            part = Part.parsed(pulled.spec)
             if part.key not in destinations:
                 raise errors.PreconditionError(
                     f"shard {self.address} holds {part.key!r}, which this worker's placement does not put there"
@@ -348,7 +408,7 @@ class ShardClient(ShardChannel):
         for (key, sent, buffer), data in zip(targets, reply.data):
             if len(data) != sent.nbytes:
                 raise errors.PSError(f"shard {self.address} sent {len(data)} bytes of {key!r}, expected {sent.nbytes}")
-            tensor_bytes(buffer)[:] = data
+            write_bytes(buffer, data)
         self._widen(targets, destinations)
         return reply.header, versions
 

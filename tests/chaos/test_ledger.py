@@ -46,7 +46,9 @@ FAULT_EVERY = 7
 """A proxied worker loses the request or the reply of every FAULT_EVERY-th push (on one shard)."""
 SHAPES = {"a": (5,), "b": (3, 4), "c": (7,), "d": (2, 2, 2)}
 OPTIMIZER = OptimizerConfig(name="sgd", lr=1.0)
-OPTIONS = ClientOptions(timeout=30, connect_timeout=30, retry_timeout=60)
+OPTIONS = ClientOptions(timeout=30, connect_timeout=30, retry_timeout=60, lane_calls=False)
+"""The faults are injected into gRPC's HTTP/2 frames, so the small calls stay on gRPC (a lost reply
+on a bulk lane: tests/security/test_lane_calls.py)."""
 
 _HEADERS = 1
 """HTTP/2 frame type of a request's or a reply's start (gRPC sends a reply's headers only once

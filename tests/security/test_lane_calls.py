@@ -265,3 +265,61 @@ def test_a_lane_call_after_the_session_ended_is_told_to_register_again(shard):
         while shard.lanes.open_lanes != 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert shard.lanes.open_lanes == 1
+
+
+def test_a_dynamic_data_exchange_rides_on_a_lane_for_its_own_session_only(shard):
+    from pswire.data import DataPlan
+    from pswire.wire import data_plan_to_proto
+
+    client, session, _ = _registered(shard)
+    other = client_for(shard)
+    try:
+        assert not other.register(SPEC, SGD, worker_name="w1")
+        (theirs,) = other._sessions
+        plan = data_plan_to_proto(DataPlan(examples=10, task_size=4, seed=1, total=20))
+        with lane_socket(shard.lanes.port, session.secret, (session.worker_id, session.generation)) as sock:
+            theft = ps_pb2.DataRequest(worker_id=theirs.worker_id, generation=theirs.generation,
+                                       session=theirs.secret, plan=plan, want=2)
+            status, details = call(sock, "Data", theft.SerializeToString(), token=1)
+            assert _code(status) == grpc.StatusCode.PERMISSION_DENIED and b"names session" in details
+            mine = ps_pb2.DataRequest(worker_id=session.worker_id, generation=session.generation,
+                                      session=session.secret, plan=plan, want=2)
+            status, reply = call(sock, "Data", mine.SerializeToString(), token=2)
+            assert status == 0
+            leased = ps_pb2.DataResponse.FromString(reply)
+            assert [(t.epoch, t.start, t.end) for t in leased.tasks] == [(0, 0, 4), (0, 4, 8)]
+        # The other worker never leased anything; the queue shows only this worker's tasks.
+        (st,) = client.status()
+        assert {h.worker_name for h in st.data.holders} == {"w0"}
+    finally:
+        other.close()
+        client.close()
+
+
+def test_a_reply_lost_on_a_lane_is_retried_and_the_push_applies_once(shard, monkeypatch):
+    """The lane breaks after the shard applied a push-and-pull and before its reply arrives: the
+    client retries it (same sequence number), and the shard acknowledges it without applying it
+    again."""
+    from psworker import lanes as worker_lanes
+
+    lost = []
+    receive = worker_lanes.Lane.receive_reply
+
+    def lose_the_first(lane, token, deadline):
+        if not lost:
+            lost.append(token)
+            time.sleep(0.2)  # the shard has applied it by now
+            lane.sock.close()
+            raise wire.LaneError("cut by the test")
+        return receive(lane, token, deadline)
+
+    with client_for(shard) as client:
+        assert client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+        dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+        client.pull(dest)
+        monkeypatch.setattr(worker_lanes.Lane, "receive_reply", lose_the_first)
+        (reply,) = client.push_pull(GRADS, dest)
+        assert lost and reply.version == 1
+        assert same(dest, stepped(1))
+        (st,) = client.status()
+        assert (st.version, st.pushes_applied) == (1, 1)
