@@ -495,34 +495,79 @@ class PSClient(AdminClient):
             ids = np.ascontiguousarray(ids, dtype=np.int64)
             plan.append((table, spec, ids, owner(ids, n)))
 
-        def one(shard: int) -> list[tuple[str, TableSpec, np.ndarray, np.ndarray]]:
-            # This shard's rows of each table, in calls of at most ROWS_PER_CALL bytes of values
-            # (the shard's own limit on a reply): (table, spec, positions in the request, values).
-            session, out = sessions[shard], []
+        def calls(shard: int) -> list[tuple[ps_pb2.PullRowsRequest, list[tuple[str, TableSpec, np.ndarray]], int]]:
+            # This shard's rows of every table, packed into calls of at most ROWS_PER_CALL bytes
+            # of values (the shard's own limit on a reply): (request, its (table, spec,
+            # positions in the request) blocks, bytes of values). A shard with none gets none.
+            session, out, blocks, nbytes = sessions[shard], [], [], 0
+
+            def flush() -> None:
+                request = ps_pb2.PullRowsRequest(rows=[rows_to_proto(table, plan_ids[table][piece])
+                                                       for table, _, piece in blocks],
+                                                 clock=session.clock if may_wait else -1)
+                if not as_reader:
+                    request.worker_id, request.generation, request.session = (
+                        session.worker_id, session.generation, session.secret)
+                out.append((request, list(blocks), nbytes))
+
             for table, spec, ids, where in plan:
                 positions = np.flatnonzero(where == shard)
                 step = max(1, ROWS_PER_CALL // spec.row_bytes)
                 for start in range(0, positions.size, step):
                     piece = positions[start:start + step]
-                    request = ps_pb2.PullRowsRequest(rows=[rows_to_proto(table, ids[piece])],
-                                                     clock=session.clock if may_wait else -1)
-                    if not as_reader:
-                        request.worker_id, request.generation, request.session = (
-                            session.worker_id, session.generation, session.secret)
-                    reply = retrying(
-                        lambda: session.client.pull_rows(request, piece.size * spec.row_bytes, may_wait=may_wait),
-                        self.options, session.client.address, "pull rows",
-                    )
-                    got_ids, values = rows_from_proto(reply.rows[0], spec.dim) if len(reply.rows) == 1 else (None, None)
-                    if got_ids is None or reply.rows[0].table != table or not np.array_equal(got_ids, ids[piece]):
-                        raise errors.InvalidArgumentError(f"shard {session.client.address} answered other rows of "
-                                                          f"table {table!r} than asked for")
-                    out.append((table, spec, piece, values))
+                    if blocks and nbytes + piece.size * spec.row_bytes > ROWS_PER_CALL:
+                        flush()
+                        blocks, nbytes = [], 0
+                    blocks.append((table, spec, piece))
+                    nbytes += piece.size * spec.row_bytes
+            if blocks:
+                flush()
             return out
 
+        def read(shard: int, request, blocks, nbytes: int, pending=None) -> list:
+            client = sessions[shard].client
+
+            def attempt():
+                nonlocal pending
+                if pending is not None:  # the call already sent: its reply is the first attempt
+                    sent, pending = pending, None
+                    return client.finish_pull_rows(sent)
+                return client.pull_rows(request, nbytes, may_wait=may_wait)
+
+            reply = retrying(attempt, self.options, client.address, "pull rows")
+            if len(reply.rows) != len(blocks):
+                raise errors.InvalidArgumentError(f"shard {client.address} answered {len(reply.rows)} tables' rows "
+                                                  f"for {len(blocks)}")
+            got = []
+            for (table, spec, piece), block in zip(blocks, reply.rows):
+                got_ids, values = rows_from_proto(block, spec.dim)
+                if block.table != table or not np.array_equal(got_ids, plan_ids[table][piece]):
+                    raise errors.InvalidArgumentError(f"shard {client.address} answered other rows of "
+                                                      f"table {table!r} than asked for")
+                got.append((table, piece, values))
+            return got
+
+        plan_ids = {table: ids for table, _, ids, _ in plan}
         out = {table: np.empty((ids.size, spec.dim), dtype=np.float32) for table, spec, ids, _ in plan}
-        for pieces in self._fan_out(one, range(n)):
-            for table, _, positions, values in pieces:
+        planned = [calls(shard) for shard in range(n)]
+        if self.options.lane_calls and n > 1 and all(len(c) <= 1 for c in planned):
+            # One call per shard: all of them sent on their lanes first, then each reply read.
+            pending = [sessions[k].client.start_pull_rows(c[0][0], c[0][2], may_wait=may_wait) if c else None
+                       for k, c in enumerate(planned)]
+            results, failed = [], None
+            for k, (c, sent) in enumerate(zip(planned, pending)):
+                if c:
+                    try:
+                        results.append(read(k, *c[0], sent))
+                    except BaseException as exc:
+                        failed = failed or exc
+            if failed is not None:
+                raise failed
+        else:
+            results = [got for per_shard in self._fan_out(
+                lambda k: [read(k, *c) for c in planned[k]], range(n)) for got in per_shard]
+        for got in results:
+            for table, positions, values in got:
                 out[table][positions] = values
         return out
 

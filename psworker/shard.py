@@ -290,6 +290,14 @@ class ShardClient(ShardChannel):
         """Rows of the job's tables (``nbytes`` of values expected); ``may_wait`` as :meth:`pull`."""
         return self._small("PullRows", request, self._pull_deadline(nbytes, may_wait))
 
+    def start_pull_rows(self, request: ps_pb2.PullRowsRequest, nbytes: int, *, may_wait: bool) -> "_Pending | None":
+        """:meth:`pull_rows` sent whole on a lane without waiting (``finish_pull_rows`` reads
+        the reply); None when it cannot go on a lane (use :meth:`pull_rows`; nothing was sent)."""
+        return self._start("PullRows", request, self._pull_deadline(nbytes, may_wait))
+
+    def finish_pull_rows(self, pending: "_Pending") -> ps_pb2.PullRowsResponse:
+        return self._finish(pending)
+
     def pull(
         self, request: ps_pb2.PullRequest, destinations: Mapping[str, torch.Tensor], nbytes: int,
         *, may_wait: bool = False,

@@ -17,6 +17,7 @@ import struct
 import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -323,3 +324,33 @@ def test_a_reply_lost_on_a_lane_is_retried_and_the_push_applies_once(shard, monk
         assert same(dest, stepped(1))
         (st,) = client.status()
         assert (st.version, st.pushes_applied) == (1, 1)
+
+
+@pytest.mark.parametrize("rows_per_call", [None, 96], ids=["one-call-per-shard", "several-calls-per-shard"])
+@pytest.mark.parametrize("lane_calls", [True, False], ids=["lane-calls", "grpc"])
+def test_row_reads_of_several_tables_from_two_shards_come_back_exactly(monkeypatch, lane_calls, rows_per_call):
+    """``PSClient.pull_rows``: each shard's rows of every table in as few calls as its limit
+    allows (all sent before any reply is read when each shard gets one), and every value lands
+    at its id's place, as the tables' seeded initializer computes them."""
+    from psworker import client as client_module
+    from pswire.tables import TableSpec, initial_rows
+
+    if rows_per_call is not None:  # bytes of values per call: 96 is 3 rows of dim 8
+        monkeypatch.setattr(client_module, "ROWS_PER_CALL", rows_per_call)
+    adagrad = OptimizerConfig(name="adagrad", lr=0.1)
+    tables = [TableSpec(name="users", num_rows=1000, dim=8, optimizer=adagrad, seed=3),
+              TableSpec(name="items", num_rows=50, dim=4, optimizer=adagrad, seed=4)]
+    shards = [create_server(ServerConfig(port=0, shard_index=i, num_shards=2)) for i in range(2)]
+    try:
+        options = ClientOptions(timeout=WAIT, connect_timeout=WAIT, lane_calls=lane_calls)
+        with PSClient([s.address for s in shards], options) as client:
+            client.wait_connected()
+            client.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL, tables=tables)
+            asked = {"users": np.array([999, 0, 5, 6, 7, 8, 11, 500, 2]), "items": np.array([49, 1, 0, 2, 3])}
+            got = client.pull_rows(asked)
+            for spec in tables:
+                assert np.array_equal(got[spec.name], initial_rows(spec, asked[spec.name])), spec.name
+            assert [s.lanes.open_lanes for s in shards] == ([1, 1] if lane_calls else [0, 0])
+    finally:
+        for s in shards:
+            s.stop(grace=0)
