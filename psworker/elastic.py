@@ -133,7 +133,8 @@ class DataFeed:
                         self._held.discard(lease)
                     if self._ready:
                         lease = self._ready.popleft()
-                        self._kick.notify_all()  # prefetch the next one meanwhile
+                        if self._due():  # prefetch the next ones meanwhile (waking the thread only then)
+                            self._kick.notify_all()
                         return lease
                     fenced, self._fenced = self._fenced, False
                 if self._session.left and not fenced:
@@ -177,8 +178,9 @@ class DataFeed:
 
     def finish(self, lease: Lease, trained: int | None = None) -> None:
         """``lease``'s task is done (``trained`` None: all of it), or only its first ``trained``
-        examples are: the rest goes back to the queue. Reported with the next exchange, which
-        starts at once on the background thread."""
+        examples are: the rest goes back to the queue. Reported with the next exchange: at once
+        on the background thread when one is due (see ``_due``), else with the one that leases
+        the next tasks."""
         trained = lease.task.size if trained is None else trained
         if not 0 <= trained <= lease.task.size:
             raise ValueError(f"{trained} examples of {lease.task} cannot have been trained")
@@ -186,7 +188,8 @@ class DataFeed:
             self._reports.append((lease, trained))
             self.examples += trained
             self.tasks += trained == lease.task.size
-            self._kick.notify_all()
+            if self._due():  # else the report rides on the exchange that leases the next tasks
+                self._kick.notify_all()
 
     def close(self, *, current: tuple[Lease, int] | None = None) -> None:
         """Hand back what this worker holds, ``current`` with what was trained of it and the
