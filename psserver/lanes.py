@@ -59,9 +59,10 @@ log = logging.getLogger(__name__)
 SessionSecret = Callable[[int, int], "bytes | None"]
 """``(worker_id, generation) -> secret`` of that live session, or None when there is none."""
 
-LaneCalls = Callable[[str, memoryview, "tuple[int, int]", float], "tuple[int, bytes]"]
-"""``(method, serialized request, (worker_id, generation) of the lane, timeout) -> (status,
-body)``: runs one call a lane carried (``pswire.lanes.CALL``) and gives its ``REPLY``."""
+LaneCalls = Callable[[str, memoryview, "tuple[int, int]", int, float], "tuple[int, bytes]"]
+"""``(method, serialized request, (worker_id, generation) of the lane, the lane's id, timeout)
+-> (status, body)``: runs one call a lane carried (``pswire.lanes.CALL``) and gives its
+``REPLY``; a pull the call sends on the lane goes first (``deliver``, from the lane's thread)."""
 _TIMEOUT = struct.Struct("<I")
 PIECE_BYTES = 4 << 20
 """A push's bytes are budgeted and deadlined in pieces of this size."""
@@ -122,6 +123,8 @@ class _Lane:
     """Guards ``sock`` (replaced by its TLS stream), ``closed``, ``outbox`` and the wake pair.
     Taken after ``LaneServer._lock``, never before it."""
     closed: bool = False
+    thread: int = 0
+    """The ident of the lane's own thread (``deliver`` from it sends at once: a call the lane carries)."""
     outbox: deque[_Delivery] = field(default_factory=deque)
     wake_r: socket.socket | None = None
     wake_w: socket.socket | None = None
@@ -268,6 +271,7 @@ class LaneServer:
                 self._retire(lane)
 
     def _serve(self, lane: _Lane) -> None:
+        lane.thread = threading.get_ident()
         try:
             try:
                 self._handshake(lane)
@@ -428,7 +432,7 @@ class LaneServer:
             transfer.close()
         (timeout_ms,) = _TIMEOUT.unpack_from(body)
         status, reply = self._calls(
-            wire.LANE_METHODS[method], memoryview(body)[_TIMEOUT.size:], lane.owner, timeout_ms / 1000.0
+            wire.LANE_METHODS[method], memoryview(body)[_TIMEOUT.size:], lane.owner, lane.lane_id, timeout_ms / 1000.0
         )
         del body
         lane.sock.settimeout(self._stall_seconds)
@@ -572,7 +576,9 @@ class LaneServer:
         key = (lane_id, token)
         with self._arrived:
             while (staged := self._staged.get(key)) is None:
-                self._owned(lane_id, owner)
+                if self._owned(lane_id, owner).thread == threading.get_ident():
+                    # A call this lane carries: whatever it staged came before the call.
+                    raise InvalidArgumentError(f"no push staged as {token} on bulk lane {lane_id} before its call")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineError(f"the bytes of push {token} on bulk lane {lane_id} did not arrive in time")
@@ -599,9 +605,17 @@ class LaneServer:
         with self._lock:
             lane = self._owned(lane_id, owner)
         nbytes = sum(len(v) for v in views)
-        job = _Delivery(
-            wire.PULL.pack(wire.PULL_TAG, token, len(header), nbytes) + header, views, time.monotonic() + timeout
-        )
+        prefix = wire.PULL.pack(wire.PULL_TAG, token, len(header), nbytes) + header
+        if lane.thread == threading.get_ident():
+            # A call this lane carries whole (``_call``): its own thread sends the pull, before the reply.
+            try:
+                lane.sock.settimeout(max(timeout, 0.001))
+                wire.send_views(lane.sock, prefix, views)
+            except OSError as exc:
+                self._kill(lane)  # cut mid-frame: the reply must not follow
+                raise UnavailableError(f"bulk lane {lane_id} broke while sending a pull: {exc}") from exc
+            return
+        job = _Delivery(prefix, views, time.monotonic() + timeout)
         with lane.lock:
             if lane.closed:
                 raise UnavailableError(f"bulk lane {lane_id} is not open on this shard (it closed): retry")

@@ -137,13 +137,15 @@ class LaneContext:
         return ()
 
 
-def _lane_owners(method: str, request) -> list[tuple[int, int, bool]]:
-    """``(worker_id, generation, names a bulk transfer)`` of each part of a lane call's request."""
+def _lane_owners(method: str, request) -> list[tuple[int, int, int | None]]:
+    """``(worker_id, generation, the lane of the bulk transfer it names, or None)`` of each part
+    of a lane call's request."""
     if method == "PushPull":
         return [*_lane_owners("PushInline", request.push), *_lane_owners("PullInline", request.pull)]
     if method == "PushInline":
-        return [(request.header.worker_id, request.header.generation, request.HasField("bulk"))]
-    bulk = method == "PullInline" and request.HasField("bulk")
+        return [(request.header.worker_id, request.header.generation,
+                 request.bulk.lane if request.HasField("bulk") else None)]
+    bulk = request.bulk.lane if method == "PullInline" and request.HasField("bulk") else None
     return [(request.worker_id, request.generation, bulk)]
 
 
@@ -209,8 +211,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def lane_calls(self, timer=None) -> LaneCalls:
         """The handler of the calls bulk lanes carry whole (``LaneServer.take_calls``): each
         method's own handler, behind the same guard (and call timer, ``psserver.metrics.RpcTimer``)
-        as its gRPC call. A request must name the session that opened its lane, and may not name
-        a bulk transfer (those calls go through gRPC, their bytes on the lane)."""
+        as its gRPC call. A request must name the session that opened its lane, and a bulk
+        transfer only on that same lane (staged on it before the call; a pull is sent on it
+        before the reply)."""
         handlers = {}
         for name in LANE_METHODS:
             request_type = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name[name].input_type
@@ -219,7 +222,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 handler = timer.timed_unary(name, handler)
             handlers[name] = (tolerant(getattr(ps_pb2, request_type.name).FromString), handler)
 
-        def call(method: str, body: memoryview, owner: tuple[int, int], timeout: float) -> tuple[int, bytes]:
+        def call(method: str, body: memoryview, owner: tuple[int, int], lane_id: int,
+                 timeout: float) -> tuple[int, bytes]:
             decode, handler = handlers[method]
             context = LaneContext(timeout)
             request = decode(bytes(body))
@@ -230,9 +234,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                             context.abort(grpc.StatusCode.PERMISSION_DENIED, (
                                 f"{method} on bulk lane of session {owner[0]}/{owner[1]} names session "
                                 f"{worker_id}/{generation}: a lane carries only its own session's calls"))
-                        if bulk:
-                            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                          f"{method} carried on a bulk lane cannot name a bulk transfer")
+                        if bulk is not None and bulk != lane_id:
+                            context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                                f"{method} carried on bulk lane {lane_id} names a transfer on lane {bulk}: "
+                                "a call a lane carries moves its bytes on that lane"))
                 reply = handler(request, context)
             except _Aborted:
                 code = context.code()

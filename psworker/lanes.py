@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pswire import lanes as wire
 from pswire.tlsbio import TLSStream
 
-__all__ = ["Credentials", "Lane", "LanePool"]
+__all__ = ["Credentials", "Lane", "LanePool", "ReplyFirst"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,15 @@ _TIMEOUT = struct.Struct("<I")
 _TIMEOUT_MAX = (1 << 32) - 1
 RETRY_SECONDS = 30.0
 """How long the pool sends everything through gRPC after a lane failed to open."""
+
+
+class ReplyFirst(Exception):
+    """A call sent whole on a lane answered before the pull it asked for: it failed (``status``,
+    with the error's details in ``body``)."""
+
+    def __init__(self, token: int, status: int, body: bytes) -> None:
+        super().__init__(f"call {token} answered with status {status}")
+        self.token, self.status, self.body = token, status, body
 
 
 class Lane:
@@ -62,9 +71,16 @@ class Lane:
         return nbytes
 
     def receive_header(self, token: int, timeout: float) -> tuple[bytes, int]:
-        """Wait for the pull sent as ``token``: its serialized ``PullHeader`` and byte count."""
+        """Wait for the pull sent as ``token``: its serialized ``PullHeader`` and byte count.
+        Raises ``ReplyFirst`` when a call sent whole on the lane answers instead (it failed)."""
         self.sock.settimeout(max(timeout, 0.001))
-        wire.recv_into(self.sock, self._header)
+        wire.recv_into(self.sock, self._header[: wire.REPLY.size])
+        if self._header[:4] == wire.REPLY_TAG:
+            _, got, status, nbytes = wire.REPLY.unpack(self._header[: wire.REPLY.size])
+            if nbytes > wire.REPLY_LIMIT:
+                raise wire.LaneError(f"the shard announced a reply of {nbytes} bytes (at most {wire.REPLY_LIMIT})")
+            raise ReplyFirst(got, status, wire.recv_exactly(self.sock, nbytes))
+        wire.recv_into(self.sock, self._header[wire.REPLY.size:])
         tag, got, header_len, nbytes = wire.PULL.unpack(self._header)
         if tag != wire.PULL_TAG or got != token:
             raise wire.LaneError(f"expected pull {token} on the lane, got frame {bytes(tag)!r} for {got}")

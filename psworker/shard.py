@@ -20,7 +20,7 @@ from pswire.security import ClientSecurity, host_of
 from pswire.codec import ChunkAssembler, Part, on_wire, wire_dtype_from_proto
 from pswire.v1 import ps_pb2
 from psworker.channel import KEEPALIVE_MS, SERVICE, ShardChannel
-from psworker.lanes import Lane, LanePool
+from psworker.lanes import Lane, LanePool, ReplyFirst
 from psworker.options import ClientOptions, parse_addresses
 from psworker.retry import retrying, translate
 from psworker.tensors import tensor_bytes, torch_dtype, write_bytes
@@ -142,7 +142,7 @@ class ShardClient(ShardChannel):
             return self._call(self._push_stream, self._stream(header, buffers), nbytes=nbytes)
         token = lane.next_token()
         request = ps_pb2.InlinePush(header=header, bulk=ps_pb2.BulkRef(lane=lane.lane_id, token=token, nbytes=nbytes))
-        reply, _ = self._on_lane(lane, self._stub.PushInline, request, self.options.deadline(nbytes), (token, buffers))
+        reply, _ = self._on_lane(lane, "PushInline", request, self.options.deadline(nbytes), (token, buffers))
         return reply
 
     def _small(self, method: str, request, timeout: float):
@@ -221,16 +221,21 @@ class ShardClient(ShardChannel):
         reply = self._finish(pending)
         return (reply.push, *self._write_inline(reply.pull, destinations))
 
-    def _on_lane(self, lane: Lane, method, request, timeout: float, stage=None, receive=None):
+    def _on_lane(self, lane: Lane, method: str, request, timeout: float, stage=None, receive=None):
         """One call whose bytes travel on ``lane``: ``stage`` (token, views) is sent before the
         call, ``receive()`` reads what the shard sends on the lane while the call runs. Returns
         ``(reply, received)``. The lane goes back to the pool after a success and is closed after
-        any failure; a broken lane is an ``UnavailableError`` (retried like a lost connection)."""
+        any failure; a broken lane is an ``UnavailableError`` (retried like a lost connection).
+        With lane calls the call itself goes on the lane too (``_whole_on_lane``), else through
+        gRPC."""
+        if self.options.lane_calls and _session_of(method, request) == (self.session or (0, 0, b""))[:2]:
+            return self._whole_on_lane(lane, method, request, timeout, stage, receive)
         received = None
         try:
             if stage is not None:
                 lane.stage(*stage, timeout)
-            call = method.future(request, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
+            call = getattr(self._stub, method).future(request, timeout=timeout, wait_for_ready=False,
+                                                      metadata=self._metadata)
             if receive is not None:
                 # A call that fails never sends on the lane: wake the reader instead of waiting.
                 call.add_done_callback(lambda c: c.code() is not grpc.StatusCode.OK and lane.abort())
@@ -253,6 +258,48 @@ class ShardClient(ShardChannel):
             raise
         self.lanes.give(lane)
         return reply, received
+
+    def _whole_on_lane(self, lane: Lane, method: str, request, timeout: float, stage=None, receive=None):
+        """``_on_lane`` with the call sent whole on the lane after the staged bytes, answered by
+        the lane's thread on the shard: the pull it asks for (read by ``receive()``), then its
+        reply; or at once its reply when it failed."""
+        deadline = time.monotonic() + timeout
+        received = None
+        try:
+            if stage is not None:
+                lane.stage(*stage, timeout)
+            token = lane.send_call(LANE_METHODS.index(method), request.SerializeToString(), timeout)
+            answer = None
+            if receive is not None:
+                try:
+                    received = receive()
+                except ReplyFirst as first:  # the call failed before sending its pull
+                    if first.token != token:
+                        raise LaneError(f"expected call {token}'s reply on the lane, got {first.token}'s") from None
+                    answer = first.status, first.body
+            status, body = answer or lane.receive_reply(token, deadline)
+        except TimeoutError as exc:
+            lane.close()
+            raise errors.DeadlineError(
+                f"shard {self.address}: {method} not answered on its bulk lane within {timeout:.1f}s "
+                "(DEADLINE_EXCEEDED)") from exc
+        except (OSError, LaneError) as exc:
+            lane.close()
+            if stage is not None:
+                # The shard may have refused the staged bytes (too large, say) and closed the lane
+                # before it read the call: the refusal waits for a call naming them, through gRPC.
+                reply = self._call(getattr(self._stub, method), request, timeout=min(timeout, self.options.timeout))
+                if receive is None:
+                    return reply, None
+            raise errors.UnavailableError(f"shard {self.address}: bulk lane broke: {exc}") from exc
+        except BaseException:
+            lane.close()
+            raise
+        self.lanes.give(lane)
+        if status:
+            failed = LaneCallError(status, body)
+            raise translate(failed, self.address) from failed
+        return _RESPONSES[method].FromString(body), received
 
     def _receive_on_lane(
         self, lane: Lane, token: int, destinations: Mapping[str, torch.Tensor], timeout: float
@@ -313,7 +360,7 @@ class ShardClient(ShardChannel):
             on_lane.CopyFrom(request)
             on_lane.bulk.CopyFrom(ps_pb2.BulkRef(lane=lane.lane_id, token=token))
             _, received = self._on_lane(
-                lane, self._stub.PullInline, on_lane, timeout,
+                lane, "PullInline", on_lane, timeout,
                 receive=lambda: self._receive_on_lane(lane, token, destinations, timeout),
             )
             return received
@@ -368,7 +415,7 @@ class ShardClient(ShardChannel):
         if lane is None:
             reply = self._small("PushPull", call, timeout)
             return (reply.push, *self._write_inline(reply.pull, destinations))
-        reply, received = self._on_lane(lane, self._stub.PushPull, call, timeout, stage, receive)
+        reply, received = self._on_lane(lane, "PushPull", call, timeout, stage, receive)
         return (reply.push, *(received or self._write_inline(reply.pull, destinations)))
 
     def _pull_deadline(self, nbytes: int, may_wait: bool) -> float:

@@ -101,7 +101,8 @@ def lane_server(secret: bytes, calls=None, **options):
 def test_a_call_is_answered_on_its_lane_with_the_handler_s_reply():
     secret, seen = os.urandom(32), []
 
-    def calls(method, body, owner, timeout):
+    def calls(method, body, owner, lane_id, timeout):
+        assert lane_id > 0
         seen.append((method, bytes(body), owner, timeout))
         return (0, b"reply:" + bytes(body)) if method == "PullRows" else (7 | wire.RETRYABLE_FLAG, b"no")
 
@@ -218,9 +219,9 @@ def test_lane_calls_are_checked_as_grpc_calls_are_and_change_nothing_when_refuse
             refusals = {
                 # Another live worker's call, on this worker's lane.
                 "another session": (_push(their_header), grpc.StatusCode.PERMISSION_DENIED, "names session"),
-                # A call on a lane naming a transfer on a lane.
+                # A call on a lane naming a transfer on another lane.
                 "bulk": (_push(header, bulk=ps_pb2.BulkRef(lane=1, token=1, nbytes=144)),
-                         grpc.StatusCode.INVALID_ARGUMENT, "bulk transfer"),
+                         grpc.StatusCode.INVALID_ARGUMENT, "names a transfer on lane 1"),
                 # A NaN gradient: refused whole, as through gRPC.
                 "nan": (_push(header, {**GRADS, "b": torch.tensor([1.0, float("nan"), 0.0, 0.0])}),
                         grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
@@ -354,3 +355,36 @@ def test_row_reads_of_several_tables_from_two_shards_come_back_exactly(monkeypat
     finally:
         for s in shards:
             s.stop(grace=0)
+
+
+BIG = [VariableSpec("emb", (512, 256), FLOAT32)]  # 512 KiB: its pushes and pulls move on a lane
+BIG_INITIAL = {"emb": (torch.arange(512 * 256, dtype=torch.float32) % 64).reshape(512, 256) / 4}
+BIG_GRADS = {"emb": torch.full((512, 256), 0.5)}
+
+
+def test_a_large_push_and_pull_go_whole_on_the_lane_with_their_call(shard):
+    with client_for(shard) as client:
+        assert client.register(BIG, SGD, worker_name="w0", initial_values=BIG_INITIAL)
+        dest = {"emb": torch.zeros(512, 256)}
+        assert client.pull(dest) == [0]
+        (reply,) = client.push_pull(BIG_GRADS, dest)
+        assert reply.version == 1
+        assert torch.equal(dest["emb"], BIG_INITIAL["emb"] - 0.25)
+        pushed, pulled = shard.servicer.traffic.totals()
+        assert (pushed["lane"], pulled["lane"]) == (512 * 1024, 2 * 512 * 1024)
+        assert shard.lanes.open_lanes == 1
+
+
+def test_a_staged_push_the_shard_refuses_is_reported_not_retried(shard):
+    """The shard cuts a lane whose staged push is above its limit before it reads the call that
+    follows; the worker then learns the refusal through gRPC at once, rather than retrying a
+    push that can never go through."""
+    with client_for(shard) as client:
+        assert client.register(BIG, SGD, worker_name="w0", initial_values=BIG_INITIAL)
+        shard.lanes._max_bytes = 1024  # a shard whose limit the worker's pushes exceed
+        started = time.monotonic()
+        with pytest.raises(errors.TooLargeError, match="above this shard's limit"):
+            client.push(BIG_GRADS)
+        assert time.monotonic() - started < 5.0
+        (st,) = client.status()
+        assert st.pushes_applied == 0
