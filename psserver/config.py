@@ -34,6 +34,7 @@ class ServerConfig:
     max_status_calls: int = field(default=2, metadata={"help": 'Status calls served at once; beyond, refused as overloaded like data calls. (Health Watch streams, open to all, are capped at 2.)'})
     stream_idle_timeout: float = field(default=10.0, metadata={"help": 'Seconds a client stream (Push, Initialize) may go without sending before the shard cuts it and frees its thread; 0: never.'})
     max_model_bytes: int = field(default=64 << 30, metadata={"help": 'Largest total of variable bytes a job may register on this shard.'})
+    max_lanes: int = field(default=256, metadata={"help": 'Bulk lanes open at once on this shard (each is a thread; every worker keeps one or two per shard, and a worker refused one sends its calls and bytes through gRPC for 30 s). Raise it for more than about 200 workers per shard.'})
     max_workers: int = field(default=4096, metadata={"help": 'Worker names this shard remembers (live, departed and evicted); a new name beyond is refused.'})
     tls_cert: str | None = field(default=None, metadata={"help": 'PEM certificate chain of this shard: serve gRPC and the bulk lanes over TLS (needs --tls-key). Clients verify it against their --tls-ca, and its subject alternative names must include the host they connect to.'})
     tls_key: str | None = field(default=None, metadata={"help": 'PEM private key of --tls-cert.'})
@@ -91,8 +92,8 @@ class ServerConfig:
             raise ValueError(f"max_status_calls must be in 1..threads ({self.threads}), got {self.max_status_calls}")
         if self.stream_idle_timeout < 0:
             raise ValueError(f"stream_idle_timeout must be >= 0, got {self.stream_idle_timeout}")
-        if self.max_model_bytes < 1 or self.max_workers < 1:
-            raise ValueError("max_model_bytes and max_workers must be >= 1")
+        if self.max_model_bytes < 1 or self.max_workers < 1 or self.max_lanes < 1:
+            raise ValueError("max_model_bytes, max_workers and max_lanes must be >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:

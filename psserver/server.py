@@ -192,7 +192,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     if config.bulk_port >= 0:
         try:
             lanes = LaneServer(config.host, config.bulk_port, max_bytes=config.max_request_bytes, budget=budget,
-                               session_secret=store.session_secret,
+                               session_secret=store.session_secret, max_lanes=config.max_lanes,
                                ssl_context=tls.ssl_context() if tls is not None else None)
         except RuntimeError as exc:
             _explain_bind(exc, config.host, config.bulk_port, "--bulk-port")

@@ -388,3 +388,26 @@ def test_a_staged_push_the_shard_refuses_is_reported_not_retried(shard):
         assert time.monotonic() - started < 5.0
         (st,) = client.status()
         assert st.pushes_applied == 0
+
+
+def test_a_worker_refused_a_lane_makes_its_calls_through_grpc():
+    """``--max-lanes 1``: the second worker's lane is refused, and its calls go through gRPC."""
+    started = create_server(ServerConfig(port=0, max_lanes=1))
+    try:
+        first, second = client_for(started), client_for(started)
+        try:
+            assert first.register(SPEC, SGD, worker_name="w0", initial_values=INITIAL)
+            assert not second.register(SPEC, SGD, worker_name="w1")
+            dest = {k: torch.zeros_like(v) for k, v in INITIAL.items()}
+            first.push_pull(GRADS, dest)
+            second.push_pull(GRADS, dest)
+            assert same(dest, stepped(2))
+            assert started.lanes.open_lanes == 1
+            pushed, _ = started.servicer.traffic.totals()
+            model = sum(v.numel() * 4 for v in INITIAL.values())
+            assert (pushed["lane"], pushed["grpc"]) == (model, model)
+        finally:
+            first.close()
+            second.close()
+    finally:
+        started.stop(grace=0)
