@@ -431,11 +431,13 @@ class LaneServer:
         finally:
             transfer.close()
         (timeout_ms,) = _TIMEOUT.unpack_from(body)
+        deadline = time.monotonic() + timeout_ms / 1000.0
         status, reply = self._calls(
             wire.LANE_METHODS[method], memoryview(body)[_TIMEOUT.size:], lane.owner, lane.lane_id, timeout_ms / 1000.0
         )
         del body
-        lane.sock.settimeout(self._stall_seconds)
+        # The reply (up to 32 MiB of rows) within what is left of the call, or the stall limit.
+        lane.sock.settimeout(max(self._stall_seconds, deadline - time.monotonic()))
         wire.send_views(lane.sock, wire.REPLY.pack(wire.REPLY_TAG, token, status, len(reply)), [memoryview(reply)])
 
     def _receive(self, lane: _Lane, nbytes: int) -> _Staged:
