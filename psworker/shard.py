@@ -184,20 +184,27 @@ class ShardClient(ShardChannel):
             status, reply = lane.receive_reply(pending.token, pending.deadline)
         except TimeoutError as exc:
             lane.close()
-            raise errors.DeadlineError(
-                f"shard {self.address}: {pending.method} not answered on its bulk lane within "
-                f"{pending.timeout:.1f}s (DEADLINE_EXCEEDED)") from exc
+            raise self._unanswered(pending.method, pending.timeout) from exc
         except (OSError, LaneError) as exc:
             lane.close()
             raise errors.UnavailableError(f"shard {self.address}: bulk lane broke: {exc}") from exc
         except BaseException:
             lane.close()
             raise
+        return self._answer(lane, pending.method, status, reply)
+
+    def _unanswered(self, method: str, timeout: float) -> errors.DeadlineError:
+        return errors.DeadlineError(
+            f"shard {self.address}: {method} not answered on its bulk lane within {timeout:.1f}s (DEADLINE_EXCEEDED)")
+
+    def _answer(self, lane: Lane, method: str, status: int, body: bytes):
+        """A lane call's reply, once read whole: the lane back in the pool, and the response, or
+        the error the shard answered with raised as gRPC's would be."""
         self.lanes.give(lane)
         if status:
-            failed = LaneCallError(status, reply)
+            failed = LaneCallError(status, body)
             raise translate(failed, self.address) from failed
-        return _RESPONSES[pending.method].FromString(reply)
+        return _RESPONSES[method].FromString(body)
 
     def start_push_pull(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest, nbytes: int,
@@ -280,9 +287,7 @@ class ShardClient(ShardChannel):
             status, body = answer or lane.receive_reply(token, deadline)
         except TimeoutError as exc:
             lane.close()
-            raise errors.DeadlineError(
-                f"shard {self.address}: {method} not answered on its bulk lane within {timeout:.1f}s "
-                "(DEADLINE_EXCEEDED)") from exc
+            raise self._unanswered(method, timeout) from exc
         except (OSError, LaneError) as exc:
             lane.close()
             if stage is not None:
@@ -295,11 +300,7 @@ class ShardClient(ShardChannel):
         except BaseException:
             lane.close()
             raise
-        self.lanes.give(lane)
-        if status:
-            failed = LaneCallError(status, body)
-            raise translate(failed, self.address) from failed
-        return _RESPONSES[method].FromString(body), received
+        return self._answer(lane, method, status, body), received
 
     def _receive_on_lane(
         self, lane: Lane, token: int, destinations: Mapping[str, torch.Tensor], timeout: float

@@ -33,6 +33,7 @@ from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2
 from psworker.client import ClientOptions, PSClient
 from psworker.shard import LaneCallError
+from tests.security.test_lanes_hardening import hung_up
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,19 +69,6 @@ def call(sock: socket.socket, method: str, request: bytes, token: int = 1, timeo
     tag, got, status, nbytes = wire.REPLY.unpack(wire.recv_exactly(sock, wire.REPLY.size))
     assert (tag, got) == (wire.REPLY_TAG, token)
     return status, wire.recv_exactly(sock, nbytes)
-
-
-def hung_up(sock: socket.socket, timeout: float = WAIT) -> bool:
-    """True once the peer closed ``sock`` (whatever it sent first), False past ``timeout``."""
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(4096):
-            pass
-    except TimeoutError:
-        return False
-    except OSError:
-        pass
-    return True
 
 
 # -- the lane server alone ----------------------------------------------------------------------
