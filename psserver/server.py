@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pswire.security import ServerTLS
 from psserver.auth import Admission, TokenAuth, load_token_file
+from psserver.lanecalls import lane_calls
 from psserver.checkpoint import CheckpointError
 from psserver.buffers import trim_heap
 from psserver.checkpointer import Checkpointer, parse_schedule
@@ -203,7 +204,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     )
     add_to_server(servicer, server)
     if lanes is not None:
-        lanes.take_calls(servicer.lane_calls(metrics.rpc if metrics is not None else None))
+        lanes.take_calls(lane_calls(servicer, metrics.rpc if metrics is not None else None))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if metrics is not None:

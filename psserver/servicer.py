@@ -18,8 +18,7 @@ from psserver.buffers import BufferPool, trim_heap
 from pswire.data import DataTask
 from psserver.guard import CallGuard, IdleStreams, Undecodable, tolerant
 from psserver.inflight import InflightBudget, Transfer
-from psserver.lanes import LaneCalls, LaneServer
-from pswire.lanes import LANE_METHODS, RETRYABLE_FLAG
+from psserver.lanes import LaneServer
 from psserver.checkpoint import CheckpointError
 from psserver.store import PullSnapshot, Registration, ShardStore
 from pswire.wire import (
@@ -99,54 +98,9 @@ def _time_left(context: grpc.ServicerContext | None, margin: float = 0.0) -> flo
 
 
 def _transport(context) -> str:
-    """How a call's own bytes came or go: in gRPC messages, or in a call a bulk lane carried."""
-    return "lane" if isinstance(context, LaneContext) else "grpc"
-
-
-class _Aborted(Exception):
-    """``LaneContext.abort``: the handler ended the call with a status."""
-
-
-class LaneContext:
-    """The part of ``grpc.ServicerContext`` the handlers use, for a call a bulk lane carried
-    whole (``pswire.lanes.CALL``): its deadline, and the status it ends with."""
-
-    def __init__(self, timeout: float) -> None:
-        self._deadline = time.monotonic() + timeout
-        self._code: grpc.StatusCode | None = None
-        self.details = ""
-        self.retryable = False
-
-    def time_remaining(self) -> float:
-        return max(0.0, self._deadline - time.monotonic())
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self.details = code, details
-        raise _Aborted(details)
-
-    def code(self) -> grpc.StatusCode | None:
-        return self._code
-
-    def is_active(self) -> bool:
-        return True
-
-    def set_trailing_metadata(self, metadata) -> None:
-        self.retryable = RETRYABLE in tuple(tuple(item) for item in metadata)
-
-    def invocation_metadata(self) -> tuple:
-        return ()
-
-
-def _lane_owners(method: str, request) -> list[tuple[int, int, int | None]]:
-    """``(worker_id, generation, the lane of the bulk transfer it names, or None)`` of each part
-    of a lane call's request."""
-    if method == "PushPull":
-        return [*_lane_owners("PushInline", request.push), *_lane_owners("PullInline", request.pull)]
-    if method == "PushInline":
-        return [(request.header.worker_id, request.header.generation,
-                 request.bulk.lane if request.HasField("bulk") else None)]
-    bulk = request.bulk.lane if method == "PullInline" and request.HasField("bulk") else None
-    return [(request.worker_id, request.generation, bulk)]
+    """How a call's own bytes came or go: in gRPC messages, or in a call a bulk lane carried
+    (``psserver.lanecalls.LaneContext``)."""
+    return getattr(context, "transport", "grpc")
 
 
 def _views(snapshot: PullSnapshot) -> list[memoryview]:
@@ -207,46 +161,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._max_request_bytes = max_request_bytes
         self._buffers = BufferPool()  # one free buffer per part and push once in flight at once
         self.traffic = Traffic()
-
-    def lane_calls(self, timer=None) -> LaneCalls:
-        """The handler of the calls bulk lanes carry whole (``LaneServer.take_calls``): each
-        method's own handler, behind the same guard (and call timer, ``psserver.metrics.RpcTimer``)
-        as its gRPC call. A request must name the session that opened its lane, and a bulk
-        transfer only on that same lane (staged on it before the call; a pull is sent on it
-        before the reply)."""
-        handlers = {}
-        for name in LANE_METHODS:
-            request_type = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name[name].input_type
-            handler = self.guard.unary(name, getattr(self, name))
-            if timer is not None:
-                handler = timer.timed_unary(name, handler)
-            handlers[name] = (tolerant(getattr(ps_pb2, request_type.name).FromString), handler)
-
-        def call(method: str, body: memoryview, owner: tuple[int, int], lane_id: int,
-                 timeout: float) -> tuple[int, bytes]:
-            decode, handler = handlers[method]
-            context = LaneContext(timeout)
-            request = decode(bytes(body))
-            try:
-                if not isinstance(request, Undecodable):
-                    for worker_id, generation, bulk in _lane_owners(method, request):
-                        if (worker_id, generation) != owner:
-                            context.abort(grpc.StatusCode.PERMISSION_DENIED, (
-                                f"{method} on bulk lane of session {owner[0]}/{owner[1]} names session "
-                                f"{worker_id}/{generation}: a lane carries only its own session's calls"))
-                        if bulk is not None and bulk != lane_id:
-                            context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
-                                f"{method} carried on bulk lane {lane_id} names a transfer on lane {bulk}: "
-                                "a call a lane carries moves its bytes on that lane"))
-                reply = handler(request, context)
-            except _Aborted:
-                code = context.code()
-                assert code is not None
-                status = code.value[0] | (RETRYABLE_FLAG if context.retryable else 0)
-                return status, context.details.encode("utf-8", "replace")
-            return 0, reply.SerializeToString()
-
-        return call
 
     def stop(self) -> None:
         """Stop the idle-stream watchdog (the server has stopped serving)."""
