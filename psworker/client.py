@@ -5,11 +5,12 @@ through one ``psworker.shard.ShardClient`` per shard. It is a ``psworker.admin.A
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -60,6 +61,34 @@ class _ShardSession:
     known: dict[str, tuple[int, weakref.ref, int]] = field(default_factory=dict)
     """Part key -> (version, the tensor it was pulled into, that tensor's data pointer). Both
     must still match for a pull to skip the part: a new tensor can get a freed one's address."""
+
+
+def _sent_first(pending, finish: Callable, again: Callable) -> Callable:
+    """A call for ``retrying`` whose first attempt reads the reply of the call already sent on a
+    lane (``pending``: ``finish(pending)``), and any later one calls ``again()``; without a
+    pending call, every attempt is ``again()``."""
+    def attempt():
+        nonlocal pending
+        if pending is not None:
+            sent, pending = pending, None
+            return finish(sent)
+        return again()
+
+    return attempt
+
+
+def _every_one(jobs: Sequence[Callable]) -> list:
+    """Run every job in turn, even after one failed (each finishes a call already under way),
+    then raise the first error; else their results."""
+    results, failed = [], None
+    for job in jobs:
+        try:
+            results.append(job())
+        except BaseException as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+    return results
 
 
 class PSClient(AdminClient):
@@ -398,13 +427,9 @@ class PSClient(AdminClient):
             address = session.client.address
             reply = None
             if message is not None:
-                def attempt():
-                    nonlocal pending
-                    if pending is not None:  # the call already sent: its reply is the first attempt
-                        sent, pending = pending, None
-                        return session.client.finish_push_pull(sent, dest)
-                    return session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait)
-
+                attempt = _sent_first(
+                    pending, lambda sent: session.client.finish_push_pull(sent, dest),
+                    lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait))
                 reply, header, written = retrying(attempt, self.options, address, "push and pull")
                 session.clock += 1
             else:
@@ -442,22 +467,16 @@ class PSClient(AdminClient):
         later = self._pool.submit(self._fan_out, lambda i: complete(sessions[i], prepared[i], started), rest) \
             if rest else None
         replies: list[ps_pb2.PushResponse | None] = [None] * len(sessions)
-        failed: BaseException | None = None
-        for i, sent in enumerate(pending):
-            if sent is None:
-                continue
-            try:
-                replies[i] = complete(sessions[i], prepared[i], started, sent)
-            except BaseException as exc:
-                failed = failed or exc
-        if later is not None:
-            try:
-                for i, reply in zip(rest, later.result()):
-                    replies[i] = reply
-            except BaseException as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+
+        def finish(i: int) -> None:
+            replies[i] = complete(sessions[i], prepared[i], started, pending[i])
+
+        def gather() -> None:
+            for i, reply in zip(rest, later.result()):
+                replies[i] = reply
+
+        _every_one([functools.partial(finish, i) for i, sent in enumerate(pending) if sent is not None]
+                   + ([gather] if later is not None else []))
         return replies
 
     def _row_blocks(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None) -> list[list[ps_pb2.RowBlock]]:
@@ -526,14 +545,8 @@ class PSClient(AdminClient):
 
         def read(shard: int, request, blocks, nbytes: int, pending=None) -> list:
             client = sessions[shard].client
-
-            def attempt():
-                nonlocal pending
-                if pending is not None:  # the call already sent: its reply is the first attempt
-                    sent, pending = pending, None
-                    return client.finish_pull_rows(sent)
-                return client.pull_rows(request, nbytes, may_wait=may_wait)
-
+            attempt = _sent_first(pending, client.finish_pull_rows,
+                                  lambda: client.pull_rows(request, nbytes, may_wait=may_wait))
             reply = retrying(attempt, self.options, client.address, "pull rows")
             if len(reply.rows) != len(blocks):
                 raise errors.InvalidArgumentError(f"shard {client.address} answered {len(reply.rows)} tables' rows "
@@ -554,15 +567,8 @@ class PSClient(AdminClient):
             # One call per shard: all of them sent on their lanes first, then each reply read.
             pending = [sessions[k].client.start_pull_rows(c[0][0], c[0][2], may_wait=may_wait) if c else None
                        for k, c in enumerate(planned)]
-            results, failed = [], None
-            for k, (c, sent) in enumerate(zip(planned, pending)):
-                if c:
-                    try:
-                        results.append(read(k, *c[0], sent))
-                    except BaseException as exc:
-                        failed = failed or exc
-            if failed is not None:
-                raise failed
+            results = _every_one([functools.partial(read, k, *c[0], sent)
+                                  for k, (c, sent) in enumerate(zip(planned, pending)) if c])
         else:
             results = [got for per_shard in self._fan_out(
                 lambda k: [read(k, *c) for c in planned[k]], range(n)) for got in per_shard]

@@ -7,6 +7,7 @@ decides what is retried and for how long.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -159,8 +160,8 @@ class ShardClient(ShardChannel):
         """Send a call whole on a lane, without waiting for its reply (``_finish`` reads it);
         None when lane calls are off, the request is too large or no lane is to be had (the
         request was not sent: use gRPC)."""
-        if not self.options.lane_calls or self.session is None or _session_of(method, request) != self.session[:2]:
-            return None  # a lane carries only its own session's calls (not a read without one, say)
+        if not self._lane_carries(method, request):
+            return None
         body = request.SerializeToString()
         if len(body) >= CALL_LIMIT - 64:
             return None
@@ -174,28 +175,38 @@ class ShardClient(ShardChannel):
             return _Pending(method, lane, 0, deadline, timeout, exc)
         return _Pending(method, lane, token, deadline, timeout)
 
+    def _lane_carries(self, method: str, request) -> bool:
+        """Whether ``request`` may travel whole on a lane: lane calls are on, and it names this
+        worker's session here (a lane carries only its own session's calls; a read without a
+        registration goes through gRPC)."""
+        return self.options.lane_calls and self.session is not None and _session_of(method, request) == self.session[:2]
+
     def _finish(self, pending: "_Pending"):
         """The reply to a call ``_start`` sent: the response, or its error raised as ``_small``
         says."""
-        lane = pending.lane
-        try:
+        with self._lane_failures(pending.lane, pending.method, pending.timeout):
             if pending.failed is not None:
                 raise pending.failed
-            status, reply = lane.receive_reply(pending.token, pending.deadline)
+            status, reply = pending.lane.receive_reply(pending.token, pending.deadline)
+        return self._answer(pending.lane, pending.method, status, reply)
+
+    @contextlib.contextmanager
+    def _lane_failures(self, lane: Lane, method: str, timeout: float) -> Iterator[None]:
+        """A lane call's failures as ``pswire.errors`` errors, the lane closed: no answer in
+        time is a ``DeadlineError``, a broken lane an ``UnavailableError`` (both retried as
+        gRPC's)."""
+        try:
+            yield
         except TimeoutError as exc:
             lane.close()
-            raise self._unanswered(pending.method, pending.timeout) from exc
+            raise errors.DeadlineError(f"shard {self.address}: {method} not answered on its bulk lane within "
+                                       f"{timeout:.1f}s (DEADLINE_EXCEEDED)") from exc
         except (OSError, LaneError) as exc:
             lane.close()
             raise errors.UnavailableError(f"shard {self.address}: bulk lane broke: {exc}") from exc
         except BaseException:
             lane.close()
             raise
-        return self._answer(lane, pending.method, status, reply)
-
-    def _unanswered(self, method: str, timeout: float) -> errors.DeadlineError:
-        return errors.DeadlineError(
-            f"shard {self.address}: {method} not answered on its bulk lane within {timeout:.1f}s (DEADLINE_EXCEEDED)")
 
     def _answer(self, lane: Lane, method: str, status: int, body: bytes):
         """A lane call's reply, once read whole: the lane back in the pool, and the response, or
@@ -214,12 +225,12 @@ class ShardClient(ShardChannel):
         to several shards are all under way before it waits for any, on one thread. None when
         either side is above ``inline_bytes`` or the call cannot go on a lane (use
         :meth:`push_pull`; nothing was sent)."""
-        limit = self.options.inline_bytes
-        if nbytes > limit or sum(len(b) for b in buffers) > limit:
+        pushed, limit = sum(len(b) for b in buffers), self.options.inline_bytes
+        if nbytes > limit or pushed > limit:
             return None
         push = ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers])
         return self._start("PushPull", ps_pb2.PushPullRequest(push=push, pull=request),
-                           self._pull_deadline(nbytes + sum(len(b) for b in buffers), False))
+                           self._pull_deadline(nbytes + pushed, False))
 
     def finish_push_pull(
         self, pending: "_Pending", destinations: Mapping[str, torch.Tensor],
@@ -235,7 +246,7 @@ class ShardClient(ShardChannel):
         any failure; a broken lane is an ``UnavailableError`` (retried like a lost connection).
         With lane calls the call itself goes on the lane too (``_whole_on_lane``), else through
         gRPC."""
-        if self.options.lane_calls and _session_of(method, request) == (self.session or (0, 0, b""))[:2]:
+        if self._lane_carries(method, request):
             return self._whole_on_lane(lane, method, request, timeout, stage, receive)
         received = None
         try:
@@ -273,32 +284,26 @@ class ShardClient(ShardChannel):
         deadline = time.monotonic() + timeout
         received = None
         try:
-            if stage is not None:
-                lane.stage(*stage, timeout)
-            token = lane.send_call(LANE_METHODS.index(method), request.SerializeToString(), timeout)
-            answer = None
-            if receive is not None:
-                try:
-                    received = receive()
-                except ReplyFirst as first:  # the call failed before sending its pull
-                    if first.token != token:
-                        raise LaneError(f"expected call {token}'s reply on the lane, got {first.token}'s") from None
-                    answer = first.status, first.body
-            status, body = answer or lane.receive_reply(token, deadline)
-        except TimeoutError as exc:
-            lane.close()
-            raise self._unanswered(method, timeout) from exc
-        except (OSError, LaneError) as exc:
-            lane.close()
+            with self._lane_failures(lane, method, timeout):
+                if stage is not None:
+                    lane.stage(*stage, timeout)
+                token = lane.send_call(LANE_METHODS.index(method), request.SerializeToString(), timeout)
+                answer = None
+                if receive is not None:
+                    try:
+                        received = receive()
+                    except ReplyFirst as first:  # the call failed before sending its pull
+                        if first.token != token:
+                            raise LaneError(f"expected call {token}'s reply on the lane, got {first.token}'s") from None
+                        answer = first.status, first.body
+                status, body = answer or lane.receive_reply(token, deadline)
+        except errors.UnavailableError:
             if stage is not None:
                 # The shard may have refused the staged bytes (too large, say) and closed the lane
                 # before it read the call: the refusal waits for a call naming them, through gRPC.
                 reply = self._call(getattr(self._stub, method), request, timeout=min(timeout, self.options.timeout))
                 if receive is None:
                     return reply, None
-            raise errors.UnavailableError(f"shard {self.address}: bulk lane broke: {exc}") from exc
-        except BaseException:
-            lane.close()
             raise
         return self._answer(lane, method, status, body), received
 

@@ -33,7 +33,8 @@ from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2
 from psworker.client import ClientOptions, PSClient
 from psworker.shard import LaneCallError
-from tests.security.test_lanes_hardening import hung_up
+from tests.security.test_lanes_hardening import hung_up, wait_for
+from tests.service.test_lanes import client_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,16 +124,12 @@ def test_a_call_that_stalls_inside_its_body_is_cut_and_its_budget_released():
     with lane_server(secret, lambda *a: seen.append(a) or (0, b""), budget=budget, stall_seconds=0.3) as server:
         with lane_socket(server.port, secret, OWNER) as sock:
             sock.sendall(wire.CALL.pack(wire.CALL_TAG, 1, 0, 1 << 20) + bytes(1000))  # announces 1 MiB, sends 1000
-            deadline = time.monotonic() + WAIT
-            while budget.held == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: budget.held > 0, "the call's bytes to be budgeted")
             assert 0 < budget.held <= 1 << 20  # held while it arrives ...
             started = time.monotonic()
             assert hung_up(sock)
             assert time.monotonic() - started < 5.0
-        deadline = time.monotonic() + WAIT
-        while budget.held and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: budget.held == 0, "the cut call's budget to be released")
         assert seen == [] and budget.held == 0  # ... and released when the lane is cut
 
 
@@ -150,12 +147,6 @@ def shard():
     started = create_server(ServerConfig(port=0))
     yield started
     started.stop(grace=0)
-
-
-def client_for(shard, **options) -> PSClient:
-    client = PSClient([shard.address], ClientOptions(timeout=WAIT, connect_timeout=WAIT, **options))
-    client.wait_connected()
-    return client
 
 
 @pytest.mark.parametrize("lane_calls", [True, False], ids=["lane-calls", "grpc"])
@@ -251,9 +242,8 @@ def test_a_lane_call_after_the_session_ended_is_told_to_register_again(shard):
             assert _code(status) == grpc.StatusCode.ABORTED and b"re-register" in details
         with pytest.raises(errors.FencedError, match="re-register"):  # the client's own lane call, alike
             client.push_pull(GRADS, dest)
-        deadline = time.monotonic() + WAIT  # the hand-driven lane closes; the client's stays open
-        while shard.lanes.open_lanes != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # The hand-driven lane closes; the client's stays open.
+        wait_for(lambda: shard.lanes.open_lanes == 1, "the hand-driven lane to close")
         assert shard.lanes.open_lanes == 1
 
 
@@ -298,7 +288,7 @@ def test_a_reply_lost_on_a_lane_is_retried_and_the_push_applies_once(shard, monk
     def lose_the_first(lane, token, deadline):
         if not lost:
             lost.append(token)
-            time.sleep(0.2)  # the shard has applied it by now
+            wait_for(lambda: shard.store.status()["pushes_applied"] == 1, "the shard to apply the push")
             lane.sock.close()
             raise wire.LaneError("cut by the test")
         return receive(lane, token, deadline)
