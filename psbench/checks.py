@@ -53,17 +53,17 @@ def _nearest(sizes, wanted: int) -> int | None:
 
 
 def _tcp_ratio(results: dict) -> Check:
-    name = "PS goodput, 64 MiB, 1 shard >= 0.5 x raw TCP"
+    name = "PS goodput, 64 MiB, 1 shard >= 0.8 x raw TCP"
     rows = _goodput(results, 1)
     size = _nearest(rows, 64)
     if size is None or rows[size].get("ratio_to_tcp") is None:
-        return _check("1", name, None, ">=", 0.5, "")
+        return _check("1", name, None, ">=", 0.8, "")
     row = rows[size]
     tcp = row["bytes_per_second"] / row["ratio_to_tcp"]
     detail = f"{row['bytes_per_second'] / MIB:.0f} / {tcp / MIB:.0f} MiB/s"
     if size != 64:
         detail += f" (at {size} MiB)"
-    return _check("1", name, row["ratio_to_tcp"], ">=", 0.5, detail)
+    return _check("1", name, row["ratio_to_tcp"], ">=", 0.8, detail)
 
 
 def _size_ratio(results: dict, shards: int, id: str) -> Check:
@@ -93,13 +93,13 @@ def _training(results: dict, params: int, threshold: float, id: str, label: str,
 
 
 def _latency(results: dict) -> Check:
-    name = "small pull p50 <= 1.5 x gRPC echo p50"
+    name = "small pull p50 <= 1.2 x gRPC echo p50"
     pull = (results.get("latency") or {}).get("pull")
     if not pull or pull.get("p50_ratio_to_echo") is None:
-        return _check("4", name, None, "<=", 1.5, "")
+        return _check("4", name, None, "<=", 1.2, "")
     echo = pull["p50_seconds"] / pull["p50_ratio_to_echo"]
     detail = f"{pull['p50_seconds'] * 1e3:.2f} / {echo * 1e3:.2f} ms"
-    return _check("4", name, pull["p50_ratio_to_echo"], "<=", 1.5, detail)
+    return _check("4", name, pull["p50_ratio_to_echo"], "<=", 1.2, detail)
 
 
 def _memory(results: dict) -> Check:
@@ -239,7 +239,7 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     lambda r: _size_ratio(r, 1, "2"),
     lambda r: _size_ratio(r, 2, "2b"),
     lambda r: _training(r, 4_300_810, 0.6, "3", "4.3M"),
-    lambda r: _training(r, 15_210, 0.2, "3b", "15K"),
+    lambda r: _training(r, 15_210, 0.5, "3b", "15K"),
     lambda r: _training(r, 4_300_810, 0.6, "3c", "4.3M", wire="bf16"),
     _latency,
     _memory,

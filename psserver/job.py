@@ -36,10 +36,12 @@ class Registration:
     """The job's embedding tables (``pswire.tables``), whole: this shard holds its rows of each."""
 
 
-def check_parts(parts: Sequence[Part], max_bytes: int = 1 << 62) -> None:
-    """Raises ``InvalidArgumentError`` for a registration that lists nothing, a variable twice,
-    an impossible shape, or more than ``max_bytes`` of variables for this shard."""
-    if not parts:
+def check_parts(parts: Sequence[Part], max_bytes: int = 1 << 62, *, num_shards: int = 1) -> None:
+    """Raises ``InvalidArgumentError`` for a registration that lists a variable twice, an
+    impossible shape, or more than ``max_bytes`` of variables for this shard, and for one that
+    lists nothing for the only shard of a job (a job of several shards may leave a shard none:
+    a small model lives whole on shard 0, ``pswire.placement``)."""
+    if not parts and num_shards <= 1:
         raise InvalidArgumentError("registration lists no variables for this shard")
     keys = [p.key for p in parts]
     if len(set(keys)) != len(keys):
@@ -85,6 +87,10 @@ def check_finite(part: Part, value: np.ndarray, what: str) -> None:
         raise InvalidArgumentError(f"{what} for {part.key!r} contains NaN or Inf")
 
 
+_LAYOUT_HINT = ("; or the layout: by default a model of at most 256 KiB lives whole on shard 0, unless every worker gives "
+                "psworker --pack-below 0 (as a job checkpointed before models were packed needs)")
+
+
 def check_same_job(job: Registration, reg: Registration) -> None:
     """Raises ``PreconditionError`` naming the first way ``reg`` disagrees with ``job``."""
     if reg.num_shards != job.num_shards or reg.shard_index != job.shard_index:
@@ -96,10 +102,12 @@ def check_same_job(job: Registration, reg: Registration) -> None:
     mine = {p.key: p for p in job.parts}
     theirs = {p.key: p for p in reg.parts}
     by_name_mine = {p.name: p for p in job.parts}
+    # Parts that differ with the placement may be the same model laid out otherwise.
+    layout = _LAYOUT_HINT if reg.placement_digest != job.placement_digest else ""
     for part in reg.parts:
         known = mine.get(part.key) or by_name_mine.get(part.name)
         if known is None:
-            raise PreconditionError(f"variable {part.name!r} is not in the job's model")
+            raise PreconditionError(f"variable {part.name!r} is not in the job's model on this shard{layout}")
         if known.full_shape != part.full_shape or known.dtype != part.dtype:
             raise PreconditionError(
                 f"variable {part.name!r} is {dtype_name(known.dtype)}{list(known.full_shape)} in the "
@@ -108,12 +116,12 @@ def check_same_job(job: Registration, reg: Registration) -> None:
     missing = [k for k in mine if k not in theirs]
     if missing or [p.key for p in reg.parts] != list(mine):
         raise PreconditionError(
-            f"the worker's model lacks variable(s) {', '.join(missing) or '(order differs)'} of the job"
+            f"the worker's model lacks variable(s) {', '.join(missing) or '(order differs)'} of the job{layout}"
         )
     if reg.placement_digest != job.placement_digest:
         raise PreconditionError(
             "the worker's placement differs from the job's on another shard: its model or "
-            "shard count disagrees"
+            f"shard count disagrees{_LAYOUT_HINT}"
         )
     diffs = job.optimizer.differences(reg.optimizer)
     if diffs:

@@ -77,7 +77,7 @@ class Membership:
         variable shape, optimizer setting, ...), and ``OverloadedError`` when the worker table
         is full of live workers.
         """
-        check_parts(reg.parts, self._max_model_bytes)
+        check_parts(reg.parts, self._max_model_bytes, num_shards=reg.num_shards)
         check_tables(reg.tables, reg.parts)
         rule = create_update_rule(reg.optimizer)
         with self._lock:
@@ -88,7 +88,8 @@ class Membership:
             if self._job is None:
                 tables = self._make_tables(reg)
                 self._job, self._rule, self._tables = reg, rule, tables
-                self._state = ShardState.INITIALIZING
+                # A shard holding no variables (a packed model's other shards) has nothing to upload.
+                self._state = ShardState.INITIALIZING if reg.parts else ShardState.READY
                 log.info(
                     "job defined by %s: shard %d of %d, %d parts (%s), optimizer %s, %s",
                     reg.worker_name, reg.shard_index, reg.num_shards, len(reg.parts),

@@ -4,6 +4,8 @@ Every worker computes the same map and sends its digest with ``Register``; shard
 worker whose map disagrees. Variables larger than a threshold are split by rows into one range
 per shard (TensorFlow's variable partitioner, ps-lite key ranges); the rest are placed largest
 first on the least-loaded shard, so no shard holds more than its share plus one small variable.
+A model of at most ``PACK_BELOW`` bytes in all lives whole on shard 0: spread, it would cost a
+call per shard per step for bytes that cost less to move than a call.
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from typing import Any
 from pswire.codec import Part
 from pswire.dtypes import DType, dtype_name, dtype_of
 
-__all__ = ["MIN_SPLIT_BYTES", "Placement", "VariableSpec", "model_spec", "place"]
+__all__ = ["MIN_SPLIT_BYTES", "PACK_BELOW", "Placement", "VariableSpec", "model_spec", "place"]
 
 MIN_SPLIT_BYTES = 256 << 10
 """Variables below this are never split: a row range costs a message per shard per step."""
+
+PACK_BELOW = MIN_SPLIT_BYTES
+"""Models of at most this many bytes are not spread: every variable lives on shard 0, so a step
+is one call (a small call costs a worker and a shard 0.2-0.4 ms of CPU each, moving 256 KiB about
+as much). Measured on the 15K-parameter MLP, 2 workers x 2 shards: 84K samples/s spread, 109K
+whole on one shard (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -85,9 +93,13 @@ def _row_ranges(rows: int, pieces: int) -> list[tuple[int, int]]:
     return [(rows * i // pieces, rows * (i + 1) // pieces) for i in range(pieces)]
 
 
-def place(spec: Sequence[VariableSpec], num_shards: int, *, min_split_bytes: int = MIN_SPLIT_BYTES) -> Placement:
-    """Place ``spec`` on ``num_shards`` shards. Raises ``ValueError`` for an empty spec,
-    duplicate names or a shard count below 1."""
+def place(
+    spec: Sequence[VariableSpec], num_shards: int, *, min_split_bytes: int = MIN_SPLIT_BYTES,
+    pack_below: int = PACK_BELOW,
+) -> Placement:
+    """Place ``spec`` on ``num_shards`` shards; a model of at most ``pack_below`` bytes whole on
+    shard 0 (0: spread every model). Raises ``ValueError`` for an empty spec, duplicate names,
+    a shard count below 1 or a negative ``pack_below``."""
     if num_shards < 1:
         raise ValueError(f"number of shards must be >= 1, got {num_shards}")
     if not spec:
@@ -95,7 +107,12 @@ def place(spec: Sequence[VariableSpec], num_shards: int, *, min_split_bytes: int
     names = [v.name for v in spec]
     if len(set(names)) != len(names):
         raise ValueError("variable names must be unique")
+    if pack_below < 0:
+        raise ValueError(f"pack_below must be >= 0, got {pack_below}")
     total = sum(v.nbytes for v in spec)
+    if num_shards > 1 and total <= pack_below:
+        whole = tuple(Part(v.name, v.shape, v.dtype, 0, v.shape[0] if v.shape else 1) for v in spec)
+        return Placement(num_shards, (whole,) + ((),) * (num_shards - 1))
     # Split anything bigger than an eighth of a shard's share: then the leftover imbalance after
     # greedy placement is at most that eighth.
     threshold = max(min_split_bytes, total // (8 * num_shards))

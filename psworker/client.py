@@ -134,9 +134,16 @@ class PSClient(AdminClient):
         self._heartbeat_stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
-    def set_placement(self, spec: Sequence[VariableSpec]) -> Placement:
-        """Compute the placement of ``spec`` on this job's shards (no RPC)."""
-        placement = place(spec, self.num_shards)
+    def set_placement(self, spec: Sequence[VariableSpec], digest: str | None = None) -> Placement:
+        """Compute the placement of ``spec`` on this job's shards (no RPC). With ``digest`` (the
+        shards' ``placement_digest``, for a reader): the layout of ``spec`` the shards hold, packed
+        as ``ClientOptions.pack_below`` says or spread, whichever has that digest; raises
+        ``PreconditionError`` when neither has."""
+        placement = place(spec, self.num_shards, pack_below=self.options.pack_below)
+        if digest is not None and placement.digest() != digest:
+            placement = place(spec, self.num_shards, pack_below=0)
+            if placement.digest() != digest:
+                raise errors.PreconditionError("the shards hold a different model (their placement digests differ)")
         with self._lock:
             self.placement = placement
             self._sessions = [_ShardSession(c, parts) for c, parts in zip(self._clients, placement.shards)]
@@ -324,6 +331,8 @@ class PSClient(AdminClient):
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
         def one(session: _ShardSession) -> int:
+            if not session.parts and not may_wait:  # a shard holding none of the model (a packed one)
+                return session.version
             started = time.monotonic()
             request, dest, nbytes = self._pull_request(
                 session, destinations, skip_unchanged=skip_unchanged, may_wait=may_wait, clock=session.clock
@@ -408,10 +417,13 @@ class PSClient(AdminClient):
         ``base_versions`` (one per shard): the versions the gradients were computed from, when
         not those of the last pull (a worker that overlaps steps computes on older weights).
         ``rows`` as in :meth:`push`."""
-        sessions = self._require_sessions()
+        every = self._require_sessions()
         may_wait = self.consistency.mode is not Mode.ASYNC
-        bases = dict(zip(map(id, sessions), base_versions)) if base_versions is not None else {}
-        blocks = dict(zip(map(id, sessions), self._row_blocks(rows)))
+        bases = dict(zip(map(id, every), base_versions)) if base_versions is not None else {}
+        blocks = dict(zip(map(id, every), self._row_blocks(rows)))
+        # In async a shard holding none of the model (a packed one) and no rows of this step has
+        # nothing to apply or send back; in ssp/sync its empty push still advances the clock.
+        sessions = every if may_wait else [s for s in every if s.parts or blocks[id(s)]]
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
         def prepare(session: _ShardSession) -> tuple:
@@ -447,6 +459,9 @@ class PSClient(AdminClient):
         else:
             replies = self._push_pull_whole(sessions, prepare, complete)
         self._report(timings)
+        if len(sessions) < len(every):
+            answered = dict(zip(map(id, sessions), replies))
+            replies = [answered.get(id(s)) for s in every]
         return replies
 
     def _push_pull_whole(self, sessions: list[_ShardSession], prepare, complete) -> list[ps_pb2.PushResponse | None]:

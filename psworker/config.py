@@ -14,6 +14,7 @@ from dataclasses import InitVar, dataclass, field
 from pswire.consistency import Consistency
 from pswire.flags import add_fields, add_version, parse
 from pswire.optim import OPTIMIZERS, OptimizerConfig
+from pswire.placement import PACK_BELOW
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security
 
 __all__ = ["WorkerConfig", "build_parser", "parse_args", "parse_task_options"]
@@ -86,6 +87,9 @@ class WorkerConfig:
     no_lane_calls: bool = _f(False, "Make the small calls of every step (inline pushes and pulls, row reads) as gRPC "
                              "calls; by default they travel whole on a bulk lane, which costs a tenth of the CPU.",
                              flag=True)
+    pack_below: int = _f(PACK_BELOW, "A model of at most this many bytes lives whole on shard 0: one call per step "
+                         "instead of one per shard. 0 spreads every model over the shards. Every worker of a job "
+                         "must give the same (it is part of the placement the shards check).")
     eval_every: int = _f(0, "Evaluate the current model on the test split every N steps (0: only at the end); "
                          "results go to \"evals\" in the JSON line.")
     record_losses: bool = _f(False, "Include every step's loss in the JSON result (\"losses\").", flag=True)
@@ -127,6 +131,8 @@ class WorkerConfig:
             raise ValueError("give --steps or --epochs, not both")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.pack_below < 0:
+            raise ValueError(f"--pack-below must be >= 0 (bytes), got {self.pack_below}")
         if self.worker_index is None and self.num_workers is not None and not self.local:
             raise ValueError("--num-workers needs --worker-index (a static split); leave both out for dynamic data")
         count = self.num_workers or 1

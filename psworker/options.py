@@ -14,6 +14,7 @@ from typing import Any
 from pswire import errors
 from pswire.codec import DEFAULT_CHUNK_BYTES, WIRE_DTYPES
 from pswire.dtypes import dtype_of
+from pswire.placement import PACK_BELOW
 from pswire.security import ClientSecurity
 
 __all__ = ["ClientOptions", "parse_addresses"]
@@ -64,6 +65,11 @@ class ClientOptions:
     """With ``bulk``: the small calls of the data path (inline pushes and pulls, their
     push-and-pull, row reads) travel whole on a bulk lane, answered by the lane's own thread on
     the shard, instead of as gRPC calls: a tenth of the CPU per call. False: they use gRPC."""
+    pack_below: int = PACK_BELOW
+    """A model of at most this many bytes lives whole on shard 0 (one call per step, not one per
+    shard); 0 spreads every model. Part of the placement: every worker of a job must agree, and
+    a job restored from a checkpoint that spread such a model (written before models were packed)
+    needs 0."""
     security: ClientSecurity | None = None
     """TLS (the shards' CA; a client certificate for mutual TLS) and the bearer token every call
     carries; None: plaintext without a token."""
@@ -80,6 +86,8 @@ class ClientOptions:
             raise ValueError("timeouts and min_bandwidth must be > 0")
         if not 1024 <= self.chunk_bytes < (4 << 20):
             raise ValueError("chunk_bytes must be between 1 KiB and 4 MiB")
+        if self.pack_below < 0:
+            raise ValueError("pack_below must be >= 0")
         if not 0 <= self.inline_bytes <= (4 << 20):
             raise ValueError("inline_bytes must be between 0 and 4 MiB")
         if self.wire_dtype is not None:

@@ -174,6 +174,7 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
             timeout=config.rpc_timeout, connect_timeout=config.connect_timeout, wait_timeout=config.wait_timeout,
             retry_timeout=config.retry_timeout,
             wire_dtype=WIRE_DTYPES.get(config.wire_dtype), bulk=not config.no_bulk, lane_calls=not config.no_lane_calls,
+            pack_below=config.pack_below,
             security=config.security,
             on_retry=metrics.retried if metrics is not None else None,
             on_exchange=metrics.exchanged if metrics is not None else None,
@@ -463,10 +464,14 @@ def pull_task(ps: str, task_spec: str, *, seed: int = 0, options: ClientOptions 
     client = PSClient(ps, options)
     try:
         client.wait_connected()
-        placement = client.set_placement(model_spec(params.items()))
         statuses = client.status()
-        if {s.placement_digest for s in statuses} != {placement.digest()}:
-            raise PreconditionError(f"the shards hold a different model than task {task_spec!r}")
+        digests = {s.placement_digest for s in statuses}
+        try:
+            if len(digests) != 1:
+                raise PreconditionError("the shards disagree on the placement")
+            client.set_placement(model_spec(params.items()), digest=digests.pop())
+        except PreconditionError:
+            raise PreconditionError(f"the shards hold a different model than task {task_spec!r}") from None
         client.pull(params, skip_unchanged=False)
         tables = [table_from_proto(t.spec) for t in statuses[0].tables]
         if tables:

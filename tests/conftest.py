@@ -21,9 +21,21 @@ if os.environ.get("CI"):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+SPREAD = {"PSWORKER_PACK_BELOW": "0"}
+"""The tests' models are small stand-ins for ones spread over the shards: a model this small
+would live whole on shard 0 (``pswire.placement.PACK_BELOW``), leaving the other shards nothing
+to lose, restore or apply. Workers the tests start spread them; the tests of packing itself
+give ``env=packed_env()``."""
+
+
 def child_env() -> dict[str, str]:
     # One torch thread per process: the tests run shards and workers side by side on few cores.
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **SPREAD)
+
+
+def packed_env() -> dict[str, str]:
+    """``child_env`` with psworker's default placement: small models whole on shard 0."""
+    return {k: v for k, v in child_env().items() if k not in SPREAD}
 
 
 def terminate(popen: subprocess.Popen, timeout: float = 15.0) -> None:

@@ -70,7 +70,8 @@ def ledger_placement(num_shards: int) -> Placement:
     lies whole on shard 0, where the data queue is: only then does a restored shard 0 roll the
     counts and the queue back to the same moment."""
     model = Ledger()
-    placement = place(model_spec((name, p.data) for name, p in model.named_parameters()), num_shards)
+    # Spread as the tests' workers spread it (tests/conftest.py SPREAD): the ledger stands in for a large model.
+    placement = place(model_spec((name, p.data) for name, p in model.named_parameters()), num_shards, pack_below=0)
     parts = placement.parts_of("counts")
     assert [(shard, p.row_start, p.row_end) for shard, p in parts] == [(0, 0, EXAMPLES)], parts
     return placement

@@ -46,9 +46,10 @@ FAULT_EVERY = 7
 """A proxied worker loses the request or the reply of every FAULT_EVERY-th push (on one shard)."""
 SHAPES = {"a": (5,), "b": (3, 4), "c": (7,), "d": (2, 2, 2)}
 OPTIMIZER = OptimizerConfig(name="sgd", lr=1.0)
-OPTIONS = ClientOptions(timeout=30, connect_timeout=30, retry_timeout=60, lane_calls=False)
+OPTIONS = ClientOptions(timeout=30, connect_timeout=30, retry_timeout=60, lane_calls=False, pack_below=0)
 """The faults are injected into gRPC's HTTP/2 frames, so the small calls stay on gRPC (a lost reply
-on a bulk lane: tests/security/test_lane_calls.py)."""
+on a bulk lane: tests/security/test_lane_calls.py), and the model is spread over both shards,
+as the tests' workers spread theirs (tests/conftest.py SPREAD)."""
 
 _HEADERS = 1
 """HTTP/2 frame type of a request's or a reply's start (gRPC sends a reply's headers only once

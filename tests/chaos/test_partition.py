@@ -154,7 +154,8 @@ def _gate(ps: str) -> PSClient:
     optimizer = config.optimizer_config(
         default_name=task.defaults.optimizer, default_lr=task.defaults.lr, default_momentum=task.defaults.momentum
     )
-    client = PSClient(ps, ClientOptions(timeout=10, connect_timeout=30))
+    # Spread over both shards as the workers spread it (tests/conftest.py SPREAD).
+    client = PSClient(ps, ClientOptions(timeout=10, connect_timeout=30, pack_below=0))
     client.wait_connected()
     # The job identity psworker's training loop registers with.
     client.register(model_spec(values.items()), optimizer, worker_name="gate", job_fingerprint=f"task={TASK}",

@@ -763,6 +763,25 @@ def test_refused_register_leaves_the_job_unchanged(ready, case, code):
     assert_unchanged_and_serving(ready, before, before_status, rejected=0)
 
 
+def test_a_shard_given_no_variables_of_a_packed_model_serves_at_once(stub):
+    """A model small enough to live whole on shard 0 (``pswire.placement.PACK_BELOW``) leaves the
+    other shards none: such a shard is ready at registration, nobody uploads to it, a pull reads
+    nothing and a push naming no variables is refused as before."""
+    worker, reply = register(stub, shard_index=1, num_shards=2, parts=[])
+    assert not reply.must_initialize
+    st = status(stub)
+    assert (st.state, list(st.parts), st.shard_index, st.num_shards) == ("ready", [], 1, 2)
+    assert pull(stub).data == {}
+    expect_rpc_error(lambda: stub.Push(iter([header(worker, [])]), timeout=RPC_TIMEOUT),
+                     grpc.StatusCode.INVALID_ARGUMENT, "no variables")
+    _, again = register(stub, "worker-1", shard_index=1, num_shards=2, parts=[])
+    assert not again.must_initialize
+    # A variable the job does not put here is still refused.
+    expect_rpc_error(lambda: register(stub, "worker-2", shard_index=1, num_shards=2),
+                     grpc.StatusCode.FAILED_PRECONDITION, "not in the job")
+    assert status(stub).state == "ready"
+
+
 def test_mismatching_register_before_initialisation_keeps_the_first_job(stub):
     worker, _ = register(stub)
     expect_rpc_error(lambda: register(stub, "worker-1", job_fingerprint="job-b"),

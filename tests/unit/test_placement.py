@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pswire.dtypes import BFLOAT16, FLOAT16, FLOAT32, INT64
-from pswire.placement import MIN_SPLIT_BYTES, VariableSpec, model_spec, place
+from pswire.placement import MIN_SPLIT_BYTES, PACK_BELOW, VariableSpec, model_spec, place
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,13 +73,36 @@ def test_digest_changes_with_shape_and_shard_count():
 MIXED = [VariableSpec("emb", (1000, 256), FLOAT32), VariableSpec("w", (10, 10), BFLOAT16),
          VariableSpec("b", (5,), FLOAT16), VariableSpec("step", (), INT64)]
 MIXED_DIGESTS = {2: "d3860e1a8f22a6bb1e24371a85da0e07", 3: "467f4e733019216eec9984833fcdab9a"}
-LINEAR_3_2_DIGEST = "39492abb7b6a7d9506a3f8dfb4ea90a1"  # torch.nn.Linear(3, 2) on 2 shards
+LINEAR_3_2_DIGEST = "39492abb7b6a7d9506a3f8dfb4ea90a1"  # torch.nn.Linear(3, 2) spread on 2 shards
+LINEAR_3_2_PACKED_DIGEST = "d83c521929a947be51fae9383ad1b140"  # the same, whole on shard 0
 
 
 def test_digest_of_a_given_spec_does_not_change():
     for shards, digest in MIXED_DIGESTS.items():
         assert place(MIXED, shards).digest() == digest
-    assert place(model_spec(torch.nn.Linear(3, 2).named_parameters()), 2).digest() == LINEAR_3_2_DIGEST
+    linear = model_spec(torch.nn.Linear(3, 2).named_parameters())
+    # Models were spread before they were packed: pack_below=0 places them as then, so a job
+    # checkpointed before can be restored (psworker --pack-below 0).
+    assert place(linear, 2, pack_below=0).digest() == LINEAR_3_2_DIGEST
+    assert place(linear, 2).digest() == LINEAR_3_2_PACKED_DIGEST
+
+
+def test_a_small_model_lives_whole_on_shard_0():
+    spec = [VariableSpec("w", (100, 300), FLOAT32), VariableSpec("b", (300,), FLOAT32),
+            VariableSpec("step", (), INT64)]
+    assert sum(v.nbytes for v in spec) <= PACK_BELOW
+    for shards in (2, 3):
+        placement = place(spec, shards)
+        assert [p.key for p in placement.shards[0]] == ["w", "b", "step"]
+        assert all(p.is_whole for p in placement.shards[0])
+        assert placement.shards[1:] == ((),) * (shards - 1)
+        assert placement.parts_of("w") == [(0, placement.shards[0][0])]
+    # One byte above the bound, the model is spread as before; so it is with pack_below=0.
+    assert place(spec, 2, pack_below=sum(v.nbytes for v in spec) - 1).shards[1]
+    assert place(spec, 2, pack_below=0).shards[1]
+    assert place(spec, 1) == place(spec, 1, pack_below=0)
+    with pytest.raises(ValueError, match="pack_below"):
+        place(spec, 2, pack_below=-1)
 
 
 def test_model_spec_and_errors():

@@ -119,14 +119,14 @@ def test_checks_pass_fail_and_not_measured():
                                    "round_bytes_per_second": 500.0},
                    "grpc_echo": {"payload_bytes": 4096, "p50_seconds": 0.001, "p99_seconds": 0.002,
                                  "client_cpu_seconds_per_call": 3e-4, "server_cpu_seconds_per_call": 4e-4}},
-        goodput=[_goodput(4, 1, 600.0), _goodput(64, 1, 550.0), _goodput(256, 1, 500.0), _goodput(4, 2, 100.0)],
+        goodput=[_goodput(4, 1, 600.0), _goodput(64, 1, 850.0), _goodput(256, 1, 500.0), _goodput(4, 2, 100.0)],
         memory={"size_mib": 256, "peak_rss_bytes": 700 * MIB, "idle_rss_bytes": 200 * MIB,
                 "held_bytes": 256 * MIB, "ratio_to_held": 700 / 256, "target_bytes": 584 * MIB,
                 "adam": {"peak_rss_bytes": 1200 * MIB, "idle_rss_bytes": 200 * MIB, "held_bytes": 768 * MIB,
                          "ratio_to_held": 1200 / 768, "target_bytes": 1352 * MIB}},
     )
     checks = {c["id"]: c for c in doc["checks"]}
-    assert checks["1"]["passed"] is True and checks["1"]["value"] == pytest.approx(0.55)
+    assert checks["1"]["passed"] is True and checks["1"]["value"] == pytest.approx(0.85)
     assert checks["2"]["passed"] is False and checks["2"]["value"] == pytest.approx(500 / 600)
     assert checks["2b"]["passed"] is None  # one size with 2 shards
     assert checks["3"]["passed"] is None and checks["4"]["passed"] is None
