@@ -77,16 +77,24 @@ def dtype_of(dtype: Any) -> DType:
     as ``"float32"``. Raises ``InvalidArgumentError`` naming the dtype if the wire cannot carry it."""
     if isinstance(dtype, DType):
         return dtype
+    if type(dtype).__module__ == "torch":  # every part of every step: looked up once per dtype
+        known = _BY_TORCH.get(dtype)
+        if known is None:  # torch.dtype prints as "torch.float32"
+            known = _BY_TORCH[dtype] = _lookup(_BY_NAME, str(dtype).removeprefix("torch."),
+                                               f"dtype {dtype} cannot be sent")
+        return known
     if isinstance(dtype, str):
         name = dtype
-    elif type(dtype).__module__ == "torch":  # torch.dtype prints as "torch.float32"
-        name = str(dtype).removeprefix("torch.")
     else:
         try:
             name = np.dtype(dtype).name
         except TypeError:
             name = str(dtype)
     return _lookup(_BY_NAME, name, f"dtype {dtype} cannot be sent")
+
+
+_BY_TORCH: dict[Any, DType] = {}
+"""torch dtypes seen, by object (this module never imports torch)."""
 
 
 def dtype_from_safetensors(code: str) -> DType:
