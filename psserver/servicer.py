@@ -520,7 +520,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             clock=snapshot.clock,
             wire_dtype=request.wire_dtype,
             parts=[
-                ps_pb2.PulledPart(spec=p.part.to_proto(), version=p.version, included=p.value is not None)
+                ps_pb2.PulledPart(spec=p.part.spec, version=p.version, included=p.value is not None)
                 for p in snapshot.parts
             ],
         )
