@@ -782,6 +782,23 @@ def test_a_shard_given_no_variables_of_a_packed_model_serves_at_once(stub):
     assert status(stub).state == "ready"
 
 
+def test_a_shard_holding_no_variables_checkpoints_and_restores():
+    store = ShardStore()
+    reg = Registration(worker_name="worker-0", shard_index=1, num_shards=2, placement_digest=DIGEST, parts=(),
+                       optimizer=SGD, job_fingerprint=JOB)
+    assert not store.register(reg).must_initialize
+    _, tensors, metadata = store.export()
+    restored = ShardStore()
+    restored.restore(tensors, metadata, source="test")
+    assert restored.register(reg).must_initialize is False
+    version, _, _ = restored.export()
+    assert version == 0
+    # The only shard of a job must hold something.
+    with pytest.raises(errors.InvalidArgumentError, match="no variables"):
+        ShardStore().register(Registration(worker_name="w", shard_index=0, num_shards=1, placement_digest=DIGEST,
+                                           parts=(), optimizer=SGD, job_fingerprint=JOB))
+
+
 def test_mismatching_register_before_initialisation_keeps_the_first_job(stub):
     worker, _ = register(stub)
     expect_rpc_error(lambda: register(stub, "worker-1", job_fingerprint="job-b"),
