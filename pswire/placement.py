@@ -27,8 +27,8 @@ MIN_SPLIT_BYTES = 256 << 10
 PACK_BELOW = MIN_SPLIT_BYTES
 """Models of at most this many bytes are not spread: every variable lives on shard 0, so a step
 is one call (a small call costs a worker and a shard 0.2-0.4 ms of CPU each, moving 256 KiB about
-as much). Measured on the 15K-parameter MLP, 2 workers x 2 shards: 84K samples/s spread, 109K
-whole on one shard (docs/benchmarks.md)."""
+as much). Measured on the 15K-parameter MLP, 2 workers x 2 shards: 82-85K samples/s spread,
+117-127K packed (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
