@@ -54,6 +54,10 @@ class Slot:
     readers: int = 0
     """Unreleased pull snapshots holding ``value`` itself: an update first replaces it with a
     copy (copy on write), so a pull never copies the variables and never sees half a push."""
+    largest: float | None = None
+    """An upper bound on the magnitudes of ``value``'s elements, which are finite, as the last
+    update's :meth:`~psserver.optimizers.UpdateRule.verify` proved it (so the next need not
+    read the variable); None when not known (a fresh or restored slot)."""
 
     def writable(self) -> np.ndarray:
         """``value``, once no snapshot holds it (caller holds the store's lock)."""

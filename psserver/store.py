@@ -35,7 +35,7 @@ from psserver.dataqueue import DataQueue
 from psserver.job import Registration, check_count, check_finite
 from psserver.lifecycle import RESTORE_ID_GAP, Lifecycle
 from psserver.membership import Membership
-from psserver.optimizers import UpdateRule
+from psserver.optimizers import UpdateRule, magnitude
 from psserver.reads import Reads
 from psserver.reports import Reports
 from psserver.state import (
@@ -271,11 +271,12 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         ``PreconditionError`` for an unknown, departed or stale-generation worker.
         """
         try:
+            known = []  # each gradient's largest magnitude, read here, outside the lock
             for part, grad in zip(parts, grads, strict=True):
-                try:
-                    check_finite(part, grad, "gradient")
-                except InvalidArgumentError as exc:
-                    raise NonFiniteError(str(exc)) from None
+                largest = magnitude(grad) if part.dtype.is_floating_point else 0.0
+                if largest is None:
+                    raise NonFiniteError(f"gradient for {part.key!r} contains NaN or Inf")
+                known.append(largest)
             check_count("sequence", sequence)
             check_count("clock", clock)
             check_count("base clock", base_clock)
@@ -342,13 +343,13 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
                 self._counters.pushes_dropped += 1
                 log.debug("push of %s dropped: %s", worker.name, decision.reason)
             elif parts or rows:  # a push with neither only advances the worker's clock
-                self._verify_update(parts, grads, decision.lr_scale, worker.name)
+                bounds = self._verify_update(parts, grads, decision.lr_scale, worker.name, known)
                 updates = self._prepare_rows(rows, decision.lr_scale, worker.name)
                 self._version += 1
-                for part, grad in zip(parts, grads):
+                for part, grad, bound in zip(parts, grads, bounds):
                     slot = self._slots[part.key]
                     self._rule.apply(slot.writable(), grad, slot.state, lr_scale=decision.lr_scale)
-                    slot.version = self._version
+                    slot.version, slot.largest = self._version, bound
                 for update in updates:
                     update.table.commit(update)
                 self._counters.pushes_applied += 1
@@ -367,17 +368,24 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
             self._membership_changed()
             return result
 
-    def _verify_update(self, parts: Sequence[Part], grads: Sequence[np.ndarray], lr_scale: float, who: str) -> None:
-        # Caller holds _lock. Every part is checked before any is changed: a push applies whole
-        # or not at all.
+    def _verify_update(
+        self, parts: Sequence[Part], grads: Sequence[np.ndarray], lr_scale: float, who: str,
+        known: Sequence[float | None],
+    ) -> list[float | None]:
+        """Every part checked before any is changed (a push applies whole or not at all); the
+        bound on each variable's magnitudes after the update (``Slot.largest``). ``known``: each
+        gradient's largest magnitude, or None to read it. Caller holds _lock."""
         assert self._rule is not None
-        for part, grad in zip(parts, grads):
+        bounds = []
+        for part, grad, largest in zip(parts, grads, known):
             slot = self._slots[part.key]
+            given = {key: value for key, value in (("param", slot.largest), ("grad", largest)) if value is not None}
             try:
-                self._rule.verify(slot.value, grad, slot.state, lr_scale=lr_scale)
+                bounds.append(self._rule.verify(slot.value, grad, slot.state, lr_scale=lr_scale, known=given))
             except InvalidArgumentError as exc:
                 self._counters.updates_nonfinite += 1
                 raise NonFiniteError(f"push of {who} refused: {part.key!r}: {exc}") from None
+        return bounds
 
     def _prepare_rows(
         self, rows: Sequence[tuple[str, np.ndarray, np.ndarray]], lr_scale: float, who: str
@@ -417,9 +425,11 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         means = list(self._sync.means())
         received = self._sync.received
         try:
+            bounds = []
             for key, mean in means:
                 slot = self._slots[key]
-                self._rule.verify(slot.value, mean, slot.state)
+                known = {"param": slot.largest} if slot.largest is not None else {}
+                bounds.append(self._rule.verify(slot.value, mean, slot.state, known=known))
             updates = []
             for table, blocks in self._sync.rows.items():
                 key = table
@@ -434,10 +444,10 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
             log.warning("sync clock %d's update dropped: %r: %s", self._open_clock, key, exc)
         else:
             self._version += 1
-            for key, mean in means:
+            for (key, mean), bound in zip(means, bounds):
                 slot = self._slots[key]
                 self._rule.apply(slot.writable(), mean, slot.state)
-                slot.version = self._version
+                slot.version, slot.largest = self._version, bound
             for update in updates:
                 update.table.commit(update)
             self._counters.pushes_applied += 1

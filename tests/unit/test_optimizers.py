@@ -693,8 +693,82 @@ def test_property_verify_refuses_exactly_the_updates_that_leave_a_non_finite_val
     refusal = _verify_refusal(rule, param, grad, state, lr_scale)
     assert refusal == (_expected_message(expected, rule) if expected else None)
     with pytest.MonkeyPatch.context() as patch:  # the exact pass alone agrees
-        patch.setattr(rule, "_provably_finite", lambda *args: False)
+        patch.setattr(rule, "_provably_finite", lambda *args: None)
         assert _verify_refusal(rule, param, grad, state, lr_scale) == refusal
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    config=_any_configs(),
+    dtype=st.sampled_from(_ALL_FLOATS),
+    size=st.integers(1, 150),
+    below=st.sampled_from([0, 1, 2, 4, 8, 16, 32, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_the_bound_verify_returns_holds_and_known_bounds_change_no_verdict(config, dtype, size, below, seed):
+    """Step after step, as a shard runs it: the bound verify returns is at least every
+    magnitude of the parameter apply leaves; verify given that bound and the gradient's
+    magnitude (``known``, as the shard gives them) refuses exactly what verify reading every
+    array refuses, with the same message; and ``magnitude`` is None exactly for a non-finite
+    gradient."""
+    rng = np.random.default_rng(seed)
+    rule = create_update_rule(config, chunk_elements=64)
+    top = _TOP_EXPONENT[dtype] - below
+    param = _wide_values(rng, dtype, size, top - float(rng.integers(0, 24)), nonnegative=False)
+    param[~np.isfinite(param)] = 0
+    state = rule.init_state(param)
+    largest = None
+    for _ in range(4):
+        grad = _wide_values(rng, dtype, size, top - float(rng.integers(0, 24)), nonnegative=False)
+        grad_largest = optimizers.magnitude(grad)
+        assert (grad_largest is None) == (not np.isfinite(grad.astype(np.float64)).all())
+        if grad_largest is None:
+            continue  # a shard refuses it before verify
+        known = {"grad": grad_largest, **({"param": largest} if largest is not None else {})}
+        refusal = _verify_refusal(rule, param, grad, state)
+        try:
+            bound = rule.verify(param, grad, state, known=known)
+            with_known = None
+        except InvalidArgumentError as exc:
+            with_known = str(exc)
+        assert with_known == refusal
+        if refusal is not None:
+            continue
+        rule.apply(param, grad, state)
+        if bound is not None:
+            assert float(np.abs(param.astype(np.float64)).max()) <= bound
+        largest = bound
+
+
+@pytest.mark.parametrize("dtype", _ALL_FLOATS)
+@pytest.mark.parametrize("config", [
+    OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
+    OptimizerConfig(name="adam", lr=0.01, amsgrad=True),
+    OptimizerConfig(name="adagrad", lr=0.1),
+])
+def test_a_large_array_is_updated_and_read_on_several_threads_exactly_as_on_one(monkeypatch, config, dtype):
+    """Above PARALLEL_ELEMENTS per thread an update and a magnitude run in ranges on the pool:
+    bit for bit what one thread gives, for ranges of unequal lengths, whatever the machine's
+    cores."""
+    rng = np.random.default_rng(7)
+    size = 64 * 37 + 5  # ranges of whole 64-element slices, and a shorter last one
+    param = (rng.standard_normal(size) * 3).astype(dtype.numpy)
+    grads = [(rng.standard_normal(size) * 2).astype(dtype.numpy) for _ in range(3)]
+    results = []
+    for threads, parallel in ((1, 1 << 21), (3, 64 * 5)):
+        monkeypatch.setattr(optimizers, "_THREADS", threads)
+        monkeypatch.setattr(optimizers, "PARALLEL_ELEMENTS", parallel)
+        monkeypatch.setattr(optimizers, "CHUNK_ELEMENTS", 64)  # magnitude's slices
+        assert len(optimizers._ranges(size, 64)) == threads
+        rule = create_update_rule(config, chunk_elements=64)
+        p, state = param.copy(), rule.init_state(param)
+        for grad in grads:
+            rule.apply(p, grad, state)
+        bad = grads[0].copy()
+        bad[832 * 2 - 1] = np.inf  # the last element of the middle range
+        results.append((_bits(p, grads[0], state), optimizers.magnitude(p), optimizers.magnitude(bad)))
+    assert results[0] == results[1]
+    assert results[1][2] is None
 
 
 @st.composite
