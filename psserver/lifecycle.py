@@ -23,6 +23,7 @@ from pswire.errors import NotReadyError, PreconditionError
 from psserver import snapshot
 from psserver.dataqueue import DataQueue
 from psserver.job import MAX_COUNT, Registration
+from psserver.groups import group_slots
 from psserver.optimizers import UpdateRule
 from psserver.state import Counters, EndedJob, EndedJobs, ShardState, Slot, SyncClock, Worker
 from psserver.tables import RowTable
@@ -181,6 +182,7 @@ class Lifecycle:
                 raise PreconditionError("this shard already serves a job; restore only into a fresh shard")
             self._job, self._rule = decoded.job, decoded.rule
             self._slots = decoded.slots
+            group_slots(self._slots)
             self._tables = decoded.tables
             self._sync = decoded.sync
             self._version = position.version

@@ -13,6 +13,7 @@ import enum
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from pswire.codec import Part
 from pswire.consistency import Consistency
 from pswire.errors import PreconditionError
 from psserver.consistency import PushAction
+
+if TYPE_CHECKING:
+    from psserver.groups import SlotGroup
 
 __all__ = [
     "STALENESS_BUCKETS", "Counters", "EndedJob", "EndedJobs", "PullSnapshot", "PulledPart", "PushResult", "Reading",
@@ -58,10 +62,15 @@ class Slot:
     """An upper bound on the magnitudes of ``value``'s elements, which are finite, as the last
     update's :meth:`~psserver.optimizers.UpdateRule.verify` proved it (so the next need not
     read the variable); None when not known (a fresh or restored slot)."""
+    group: "SlotGroup | None" = None
+    """The small variables ``value`` and ``state`` are views into (``psserver.groups``)."""
 
     def writable(self) -> np.ndarray:
-        """``value``, once no snapshot holds it (caller holds the store's lock)."""
-        if self.readers:
+        """``value``, once no snapshot holds it (caller holds the store's lock); a grouped
+        slot's group is copied whole if a snapshot holds any member, so ``value`` stays a view."""
+        if self.group is not None:
+            self.group.writable()
+        elif self.readers:
             self.value, self.readers = self.value.copy(), 0
         return self.value
 

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from psserver.dataqueue import DataQueue
 from psserver.job import Registration, check_count, check_finite
 from psserver.lifecycle import RESTORE_ID_GAP, Lifecycle
 from psserver.membership import Membership
+from psserver.groups import GROUP_PART_BYTES, SlotGroup, group_slots
 from psserver.optimizers import UpdateRule, magnitude
 from psserver.reads import Reads
 from psserver.reports import Reports
@@ -50,6 +52,47 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Screened:
+    """One update a push makes, checked and ready to apply: one slot, or a group's slots as one."""
+
+    slots: list[Slot]
+    grad: np.ndarray
+    state: dict[str, np.ndarray]
+    bound: float | None
+    """The updated variable's magnitude bound that verify proved (None: not known)."""
+    group: SlotGroup | None = None
+
+
+def _gradient_bounds(parts: Sequence[Part], grads: Sequence[np.ndarray]) -> list[float]:
+    """Each gradient's largest magnitude (0.0 for one that is not floating point); raises
+    ``NonFiniteError`` naming the first that holds a NaN or an infinity. Small gradients of one
+    dtype are read as one (their concatenation, which bounds each), as the shard updates them."""
+    if len(parts) != len(grads):
+        raise ValueError(f"{len(grads)} gradients for {len(parts)} parts")
+    known: list[float] = [0.0] * len(parts)
+    small: dict[np.dtype, list[int]] = {}
+    for i, (part, grad) in enumerate(zip(parts, grads)):
+        if not part.dtype.is_floating_point:
+            continue
+        if grad.nbytes <= GROUP_PART_BYTES:
+            small.setdefault(grad.dtype, []).append(i)
+            continue
+        largest = magnitude(grad)
+        if largest is None:
+            raise NonFiniteError(f"gradient for {part.key!r} contains NaN or Inf")
+        known[i] = largest
+    for indices in small.values():
+        together = np.concatenate([grads[i].reshape(-1) for i in indices]) if len(indices) > 1 else grads[indices[0]]
+        largest = magnitude(together)
+        if largest is None:
+            first = next(i for i in indices if magnitude(grads[i]) is None)
+            raise NonFiniteError(f"gradient for {parts[first].key!r} contains NaN or Inf")
+        for i in indices:
+            known[i] = largest
+    return known
 
 
 class NonFiniteError(InvalidArgumentError):
@@ -237,6 +280,7 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
             self._slots = {
                 part.key: Slot(part, value, self._rule.init_state(value)) for part, value in zip(job.parts, values)
             }
+            group_slots(self._slots)
             self._state = ShardState.READY
             self._changed.notify_all()
             log.info("initialised %d parts by worker id %d", len(self._slots), worker_id)
@@ -271,12 +315,7 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         ``PreconditionError`` for an unknown, departed or stale-generation worker.
         """
         try:
-            known = []  # each gradient's largest magnitude, read here, outside the lock
-            for part, grad in zip(parts, grads, strict=True):
-                largest = magnitude(grad) if part.dtype.is_floating_point else 0.0
-                if largest is None:
-                    raise NonFiniteError(f"gradient for {part.key!r} contains NaN or Inf")
-                known.append(largest)
+            known = _gradient_bounds(parts, grads)  # read here, outside the lock
             check_count("sequence", sequence)
             check_count("clock", clock)
             check_count("base clock", base_clock)
@@ -343,13 +382,10 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
                 self._counters.pushes_dropped += 1
                 log.debug("push of %s dropped: %s", worker.name, decision.reason)
             elif parts or rows:  # a push with neither only advances the worker's clock
-                bounds = self._verify_update(parts, grads, decision.lr_scale, worker.name, known)
+                screened = self._verify_update(parts, grads, decision.lr_scale, f"push of {worker.name}", known)
                 updates = self._prepare_rows(rows, decision.lr_scale, worker.name)
                 self._version += 1
-                for part, grad, bound in zip(parts, grads, bounds):
-                    slot = self._slots[part.key]
-                    self._rule.apply(slot.writable(), grad, slot.state, lr_scale=decision.lr_scale)
-                    slot.version, slot.largest = self._version, bound
+                self._apply_update(screened, decision.lr_scale)
                 for update in updates:
                     update.table.commit(update)
                 self._counters.pushes_applied += 1
@@ -371,21 +407,65 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
     def _verify_update(
         self, parts: Sequence[Part], grads: Sequence[np.ndarray], lr_scale: float, who: str,
         known: Sequence[float | None],
-    ) -> list[float | None]:
-        """Every part checked before any is changed (a push applies whole or not at all); the
-        bound on each variable's magnitudes after the update (``Slot.largest``). ``known``: each
-        gradient's largest magnitude, or None to read it. Caller holds _lock."""
+    ) -> list[_Screened]:
+        """Every part checked before any is changed (a push applies whole or not at all), a
+        group of small variables (``psserver.groups``) as one when the push covers it: what
+        :meth:`_apply_update` then applies. ``known``: each gradient's largest magnitude, or
+        None to read it. Caller holds _lock."""
         assert self._rule is not None
-        bounds = []
-        for part, grad, largest in zip(parts, grads, known):
-            slot = self._slots[part.key]
-            given = {key: value for key, value in (("param", slot.largest), ("grad", largest)) if value is not None}
+        by_key = dict(zip((part.key for part in parts), grads))
+        bound_of = dict(zip(by_key, known))
+        screened: list[_Screened] = []
+        grouped: set[str] = set()
+        for part in parts:
+            group = self._slots[part.key].group
+            if group is None or part.key in grouped or not group.covers(by_key):
+                continue
+            grouped |= group.keys
+            grad, state = group.gather(by_key), group.step_state()
+            largest = [bound_of[key] for key in group.keys]
+            given = {"grad": max(largest)} if None not in largest else {}
+            if (param := group.known_largest()) is not None:
+                given["param"] = param
             try:
-                bounds.append(self._rule.verify(slot.value, grad, slot.state, lr_scale=lr_scale, known=given))
-            except InvalidArgumentError as exc:
+                bound = self._rule.verify(group.value, grad, state, lr_scale=lr_scale, known=given)
+            except InvalidArgumentError as exc:  # refused as one: named by the member that fails alone
+                for slot in group.slots:
+                    self._verify_one(slot, by_key[slot.part.key], lr_scale, who, bound_of[slot.part.key])
                 self._counters.updates_nonfinite += 1
-                raise NonFiniteError(f"push of {who} refused: {part.key!r}: {exc}") from None
-        return bounds
+                raise NonFiniteError(f"{who} refused: {', '.join(map(repr, sorted(group.keys)))}: {exc}") from None
+            screened.append(_Screened(group.slots, grad, state, bound, group))
+        for part, grad, largest in zip(parts, grads, known):
+            if part.key not in grouped:
+                slot = self._slots[part.key]
+                screened.append(_Screened([slot], grad, slot.state, self._verify_one(slot, grad, lr_scale, who, largest)))
+        return screened
+
+    def _verify_one(self, slot: Slot, grad: np.ndarray, lr_scale: float, who: str, largest: float | None) -> float | None:
+        # Caller holds _lock.
+        assert self._rule is not None
+        given = {key: value for key, value in (("param", slot.largest), ("grad", largest)) if value is not None}
+        try:
+            return self._rule.verify(slot.value, grad, slot.state, lr_scale=lr_scale, known=given)
+        except InvalidArgumentError as exc:
+            self._counters.updates_nonfinite += 1
+            raise NonFiniteError(f"{who} refused: {slot.part.key!r}: {exc}") from None
+
+    def _apply_update(self, screened: Sequence[_Screened], lr_scale: float) -> None:
+        # Caller holds _lock and has advanced _version.
+        assert self._rule is not None
+        for update in screened:
+            if update.group is not None:
+                self._rule.apply(update.group.writable(), update.grad, update.state, lr_scale=lr_scale)
+                update.group.set_step(update.state, update.bound)
+            else:
+                slot = update.slots[0]
+                self._rule.apply(slot.writable(), update.grad, slot.state, lr_scale=lr_scale)
+                slot.largest = update.bound
+                if slot.group is not None:
+                    slot.group.largest = None  # one member moved alone
+            for slot in update.slots:
+                slot.version = self._version
 
     def _prepare_rows(
         self, rows: Sequence[tuple[str, np.ndarray, np.ndarray]], lr_scale: float, who: str
@@ -425,29 +505,27 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         means = list(self._sync.means())
         received = self._sync.received
         try:
-            bounds = []
-            for key, mean in means:
-                slot = self._slots[key]
-                known = {"param": slot.largest} if slot.largest is not None else {}
-                bounds.append(self._rule.verify(slot.value, mean, slot.state, known=known))
+            screened = self._verify_update(  # counts a refusal in updates_nonfinite
+                [self._slots[key].part for key, _ in means], [mean for _, mean in means], 1.0,
+                f"the mean of sync clock {self._open_clock}", [None] * len(means),
+            )
             updates = []
             for table, blocks in self._sync.rows.items():
-                key = table
                 ids, sums = coalesce(blocks, self._tables[table].spec.dim)
                 if received > 1:
                     sums /= np.float32(received)
-                updates.append(self._tables[table].prepare(ids, sums))
+                try:
+                    updates.append(self._tables[table].prepare(ids, sums))
+                except InvalidArgumentError as exc:
+                    self._counters.updates_nonfinite += 1
+                    raise InvalidArgumentError(f"table {table!r}: {exc}") from None
         except InvalidArgumentError as exc:
             # The clock's pushes were acknowledged as accumulated; its update is dropped whole.
-            self._counters.updates_nonfinite += 1
             self._counters.pushes_dropped += 1
-            log.warning("sync clock %d's update dropped: %r: %s", self._open_clock, key, exc)
+            log.warning("sync clock %d's update dropped: %s", self._open_clock, exc)
         else:
             self._version += 1
-            for (key, mean), bound in zip(means, bounds):
-                slot = self._slots[key]
-                self._rule.apply(slot.writable(), mean, slot.state)
-                slot.version, slot.largest = self._version, bound
+            self._apply_update(screened, 1.0)
             for update in updates:
                 update.table.commit(update)
             self._counters.pushes_applied += 1
