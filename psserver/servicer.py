@@ -291,6 +291,36 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
         return (parts, *self._widen(parts, sent, received, release))
 
+    def _inline(
+        self, header: ps_pb2.TensorHeader, data: Sequence[bytes], context: grpc.ServicerContext | None,
+    ) -> tuple[list[Part], list[np.ndarray], Callable[[], None]]:
+        """An inline push's gradients: read-only views of the request's own bytes (copies where
+        a part's bytes are not aligned for its dtype), budgeted at once. A compressed push is
+        assembled and widened as a streamed one is."""
+        parts, sent = self._expect(header, initialize=False)
+        if any(s is not p for s, p in zip(sent, parts)):
+            chunks = (frames.Chunk(index, 0, blob) for index, blob in enumerate(data))
+            return self._assemble(header, chunks, initialize=False, context=context)
+        blobs = list(data)
+        for part, blob in zip(parts, blobs):
+            if len(blob) != part.nbytes:
+                raise errors.InvalidArgumentError(
+                    f"byte length of {part.key!r} is {len(blob)}, expected {part.nbytes} ({part.describe()})"
+                )
+        total = sum(map(len, blobs))
+        transfer = self._budget.transfer()
+        try:
+            self._take_budget(transfer, total, time.monotonic() + _time_left(context, margin=0.05))
+        except BaseException:
+            transfer.close()
+            raise
+        grads = []
+        for part, blob in zip(parts, blobs):
+            grad = np.frombuffer(blob, dtype=part.dtype.numpy).reshape(part.shape)
+            grads.append(grad if grad.flags.aligned else grad.copy())
+        self.traffic.pushed(_transport(context), total)
+        return parts, grads, transfer.close
+
     def _take_budget(self, transfer: Transfer, nbytes: int, deadline: float) -> None:
         if not transfer.acquire(nbytes, max(0.0, deadline - time.monotonic())):
             raise errors.NotReadyError(
@@ -384,8 +414,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         f"inline push carries {len(request.data)} tensors for {len(request.header.parts)} parts"
                     )
                 self._store.check_session(request.header.worker_id, request.header.generation, request.header.session)
-                chunks = (frames.Chunk(index, 0, data) for index, data in enumerate(request.data))
-                parts, grads, release = self._assemble(request.header, chunks, initialize=False, context=context)
+                parts, grads, release = self._inline(request.header, request.data, context)
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected(exc, received=True)
             log.warning("push refused: %s", exc)
