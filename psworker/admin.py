@@ -59,7 +59,8 @@ class AdminClient:
         finally:
             # Every call ends before an error is raised, so none is left running (a retry, say)
             # under the caller's next step.
-            futures.wait(futs, timeout=self.options.connect_timeout + _HANG_GUARD)
+            if futs:
+                futures.wait(futs, timeout=self.options.connect_timeout + _HANG_GUARD)
         return results + [f.result(timeout=0) for f in futs]
 
     @classmethod

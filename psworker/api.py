@@ -86,6 +86,7 @@ class Session:
         """True when this worker uploaded the initial values (it registered first)."""
         self._params: dict[str, torch.nn.Parameter] = {}
         self._staging: dict[str, torch.Tensor] = {}
+        self._on_cuda = False  # a parameter lives on a CUDA device (prepare)
         self._grads: dict[str, torch.Tensor] = {}
         self._table_specs: list = []
         self.tables = None
@@ -138,6 +139,7 @@ class Session:
                 pin = param.device.type == "cuda"
                 self._staging[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
                 self._grads[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
+        self._on_cuda = any(p.device.type == "cuda" for p in self._params.values())
         self._optimizer_config, self._consistency = config, consistency
         spec = self._register()
         if self.overlap and self.client.consistency.mode is not Mode.ASYNC:
@@ -187,7 +189,7 @@ class Session:
                 staged = self._staging[name]
                 if staged.data_ptr() != param.data_ptr():
                     param.data.copy_(staged, non_blocking=True)
-            if any(p.device.type == "cuda" for p in self._params.values()):
+            if self._on_cuda:
                 torch.cuda.synchronize()
         if self.overlap:
             self._loaded_versions = self.client.versions()

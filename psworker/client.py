@@ -664,7 +664,8 @@ def _phases(seconds: float, pushed: int, pulled: int, may_wait: bool) -> tuple[f
 
 def _rows(tensor: torch.Tensor, part: Part) -> torch.Tensor:
     """The rows of ``tensor`` that ``part`` covers, as a view (``tensor`` must be contiguous)."""
-    if tensor.shape != part.full_shape or dtype_of(tensor.dtype) != part.dtype:  # torch.Size is a tuple
+    dtype = dtype_of(tensor.dtype)
+    if tensor.shape != part.full_shape or (dtype is not part.dtype and dtype != part.dtype):  # torch.Size is a tuple
         raise ValueError(
             f"tensor for {part.name!r} is {tensor.dtype}{list(tensor.shape)}, "
             f"expected {part.dtype}{list(part.full_shape)}"

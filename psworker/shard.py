@@ -457,7 +457,7 @@ class ShardClient(ShardChannel):
     def _widen(targets: list[tuple[str, Part, torch.Tensor]], destinations: Mapping[str, torch.Tensor]) -> None:
         for key, _, buffer in targets:
             target = destinations[key]
-            if buffer.data_ptr() != target.data_ptr():
+            if buffer is not target and buffer.data_ptr() != target.data_ptr():
                 target.copy_(buffer)
 
     def _write_inline(
