@@ -20,14 +20,13 @@ SECTIONS = ("baselines", "goodput", "latency", "training", "memory", "tls", "met
 
 _NEEDS_BASELINES = ("goodput", "latency")
 
-METRICS_RUN_FACTOR = 5
-"""How many times a training run's worker steps the metrics section's runs take: scraped once a
-second, a run must last several seconds for the scrapes to weigh as they would (the training
-section's runs of the 15K and 4.3M MLPs now last 1-1.5 s: its step estimates, below, date from
-before the bulk lanes). The elastic section's throughput runs take as many, for a second reason:
-the workers' start-ups differ by some tenths of a second, and over a short run that skew weighs
-on a sum of the workers' throughputs differently with a static split (both workers train alone
-for a while) than with dynamic data (only the first does)."""
+METRICS_RUN_FACTOR = 1.5
+"""How many times a training run's worker steps the metrics section's runs take (6 s instead of
+4): scraped once a second, a run must last several seconds for the scrapes to weigh as they
+would. The elastic section's throughput runs take as many, for a second reason: the workers'
+start-ups differ by some tenths of a second, and over a short run that skew weighs on a sum of
+the workers' throughputs differently with a static split (both workers train alone for a
+while) than with dynamic data (only the first does)."""
 
 
 def _f(default, help: str):
@@ -110,14 +109,14 @@ class BenchConfig:
             tls_training=training_case(max(widths), quick=quick),
             # The cost of metrics on the smallest model (calls dominate) and the largest (bytes do).
             metrics_training=tuple(
-                replace(case, worker_steps=case.worker_steps * (1 if quick else METRICS_RUN_FACTOR))
+                replace(case, worker_steps=round(case.worker_steps * (1 if quick else METRICS_RUN_FACTOR)))
                 for case in (training_case(w, quick=quick) for w in sorted({min(widths), max(widths)}))
             ),
             metrics_reps=self.reps or (1 if quick else 5),
             # Dynamic data against the static split on the smallest model (calls dominate: the
             # data exchanges weigh most), and the elastic job.
             elastic_training=replace(narrowest,
-                                     worker_steps=narrowest.worker_steps * (1 if quick else METRICS_RUN_FACTOR)),
+                                     worker_steps=round(narrowest.worker_steps * (1 if quick else METRICS_RUN_FACTOR))),
             elastic_reps=self.reps or (1 if quick else 5),
             elastic_job=replace(QUICK_ELASTIC_JOB if quick else ELASTIC_JOB, runs=self.reps or (1 if quick else 3)),
             sparse=replace(QUICK_SPARSE if quick else SPARSE, step_reps=self.reps or (1 if quick else 5),
@@ -154,16 +153,19 @@ class TrainingCase:
 
 
 # Step counts aim for a timed loop of a few seconds. Seconds per step grow with the parameter
-# count: measured on a 2-core EPYC, about 0.75 ms + 8.5 ns/parameter locally and
-# 15 ms + 40 ns/parameter per cluster worker (2 shards x 2 workers sharing the cores).
+# count: measured on a 2-core EPYC (2026-11-25, the three MLPs), about 0.2 ms + 5 ns/parameter
+# locally and 0.9 ms + 10 ns/parameter per cluster worker (2 shards x 2 workers sharing the
+# cores). The estimates before (0.75 ms + 8.5 ns and 15 ms + 40 ns) dated from before the bulk
+# lanes and made the 15K MLP's timed loops last 0.6 s locally and 0.35 s in the cluster, where
+# start-up effects weigh.
 def training_case(width: int, *, quick: bool = False, wire_dtype: str = "none") -> TrainingCase:
     """The case for an MLP of hidden ``width`` with step counts sized to its cost."""
     parameters = TrainingCase(width=width, local_steps=1, worker_steps=1).parameters
-    local_seconds, worker_seconds = (0.5, 1.0) if quick else (2.5, 6.0)
+    local_seconds, worker_seconds = (0.5, 1.0) if quick else (2.5, 4.0)
     return TrainingCase(
         width=width,
-        local_steps=max(20, round(local_seconds / (0.75e-3 + 8.5e-9 * parameters))),
-        worker_steps=max(10 if quick else 20, round(worker_seconds / (15e-3 + 40e-9 * parameters))),
+        local_steps=max(20, round(local_seconds / (0.2e-3 + 5e-9 * parameters))),
+        worker_steps=max(10 if quick else 20, round(worker_seconds / (0.9e-3 + 10e-9 * parameters))),
         wire_dtype=wire_dtype,
     )
 

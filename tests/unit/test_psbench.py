@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from psbench.checks import compute_checks
-from psbench.config import BenchConfig, parse_args, training_case
+from psbench.config import METRICS_RUN_FACTOR, BenchConfig, parse_args, training_case
 from psbench.ps import GoodputResult
 from psbench.report import render
 from psbench.metrics import MetricsTrainingResult, ScrapeStats, metrics_url_in
@@ -195,7 +195,11 @@ def test_metrics_measures_the_narrowest_and_widest_models_in_pairs():
     full, quick = parse_args([], env={}).plan(), parse_args(["--quick"], env={}).plan()
     assert [c.parameters for c in full.metrics_training] == [15_210, 4_300_810] and full.metrics_reps == 5
     # Runs long enough for a scrape a second to land several times in each.
-    assert [c.worker_steps for c in full.metrics_training] == [5 * training_case(w).worker_steps for w in (100, 2048)]
+    assert [c.worker_steps for c in full.metrics_training] == [
+        round(METRICS_RUN_FACTOR * training_case(w).worker_steps) for w in (100, 2048)
+    ]
+    # About 6 s of training per worker by the step estimates (4 s for the training section).
+    assert [round(c.worker_steps * (0.9e-3 + 10e-9 * c.parameters)) for c in full.metrics_training] == [6, 6]
     assert [c.width for c in quick.metrics_training] == [100] and quick.metrics_reps == 1
     assert parse_args(["--reps", "2", "--widths", "1024"], env={}).plan().metrics_reps == 2
     assert parse_args(["--widths", "1024"], env={}).plan().to_dict()["metrics_training"][0]["width"] == 1024
