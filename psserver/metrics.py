@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -31,6 +31,7 @@ from psserver.inflight import InflightBudget
 from psserver.servicer import Traffic
 from psserver.state import STALENESS_BUCKETS
 from psserver.store import ShardStore
+from pswire.histograms import Histogram
 from pswire.v1 import ps_pb2
 
 __all__ = [
@@ -67,15 +68,16 @@ class RpcTimer(grpc.ServerInterceptor):
     are not observed: ``method`` stays a closed set."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._histogram = Histogram(
+        self._histogram = Histogram(  # pswire's: a call's observation costs 0.5 us, not prometheus_client's 3-5
             "psserver_rpc_duration_seconds",
             "Time a call took on the shard, by gRPC method and status code (a streamed response: until "
             "its last message).",
-            ("method", "code"), buckets=RPC_BUCKETS, registry=registry,
+            ("method", "code"), RPC_BUCKETS,
         )
+        registry.register(self._histogram)
         self._methods = frozenset(m.name for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods) \
             | _HEALTH_METHODS
-        self._children: dict[tuple[str, str], Histogram] = {}  # label lookups done once per (method, code)
+        self._children: dict[tuple[str, str], list] = {}  # label lookups done once per (method, code)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -97,8 +99,8 @@ class RpcTimer(grpc.ServerInterceptor):
         key = (method, name)
         child = self._children.get(key)
         if child is None:
-            child = self._children.setdefault(key, self._histogram.labels(method, name))
-        child.observe(time.perf_counter() - started)
+            child = self._children.setdefault(key, self._histogram.series(method, name))
+        self._histogram.observe(child, time.perf_counter() - started)
 
     def timed_unary(self, method: str, behavior: Callable) -> Callable:
         """``behavior`` (a unary handler) timed as ``method`` (also for the calls bulk lanes carry)."""
@@ -271,16 +273,18 @@ class ShardMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.rpc = RpcTimer(self.registry)
-        self._checkpoint_seconds = Histogram(
+        self._checkpoints = Histogram(
             "psserver_checkpoint_duration_seconds", "Time this shard took to write its part of a checkpoint.",
-            buckets=CHECKPOINT_BUCKETS, registry=self.registry,
+            (), CHECKPOINT_BUCKETS,
         )
+        self.registry.register(self._checkpoints)
+        self._checkpoint_seconds = self._checkpoints.series()
         self._server = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
 
     def checkpoint_written(self, seconds: float) -> None:
-        self._checkpoint_seconds.observe(seconds)
+        self._checkpoints.observe(self._checkpoint_seconds, seconds)
 
     def watch(self, collector: ShardCollector) -> None:
         self.registry.register(collector)
