@@ -20,8 +20,8 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
