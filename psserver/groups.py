@@ -52,9 +52,6 @@ class SlotGroup:
         self.state = {name: np.empty(start, dtype) for name in self.slots[0].state if name != "step"}
         self.grad = np.empty(start, dtype)
         """Scratch for a push's gradients, gathered in the members' order."""
-        self.largest: float | None = None
-        """A bound on every member's magnitudes from the last update of the whole group; None
-        once a member was updated alone (or before the first update)."""
         for slot, (begin, end) in zip(self.slots, spans):
             self.value[begin:end] = slot.value.reshape(-1)
             for name, buffer in self.state.items():
@@ -95,17 +92,14 @@ class SlotGroup:
 
     def set_step(self, state: Mapping[str, np.ndarray], bound: float | None) -> None:
         """After an update of the whole group: every member's step and magnitude bound."""
-        self.largest = bound
         for slot in self.slots:
             slot.state["step"][...] = state["step"]
             slot.largest = bound
 
     def known_largest(self) -> float | None:
-        """A bound on every member's magnitudes, when one is known."""
-        if self.largest is not None:
-            return self.largest
+        """A bound on every member's magnitudes, when each member's is known."""
         bounds = [slot.largest for slot in self.slots]
-        return None if any(b is None for b in bounds) else max(bounds, default=0.0)
+        return None if None in bounds else max(bounds)
 
 
 def group_slots(slots: Mapping[str, Slot]) -> None:

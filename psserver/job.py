@@ -13,6 +13,7 @@ from pswire.optim import OptimizerConfig
 from pswire.consistency import Consistency
 from pswire.tables import TableSpec
 from pswire.wire import MAX_COUNT, check_count
+from psserver.optimizers import magnitude
 
 __all__ = ["MAX_COUNT", "Registration", "check_count", "check_finite", "check_parts", "check_tables", "check_same_job", "fmt_bytes"]
 
@@ -64,26 +65,10 @@ def check_parts(parts: Sequence[Part], max_bytes: int = 1 << 62, *, num_shards: 
         )
 
 
-_EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
-"""16-bit floats whose exponent bits are all set are Inf or NaN."""
-
-
 def check_finite(part: Part, value: np.ndarray, what: str) -> None:
-    """Raises ``InvalidArgumentError`` if a floating-point ``value`` holds a NaN or an Inf."""
-    if not part.dtype.is_floating_point:
-        return
-    mask = _EXPONENT_BITS.get(part.dtype.name)
-    if mask is not None:
-        # Integer ops on the bits: numpy sums 16-bit floats in their own (overflowing) precision.
-        bits = value.view(np.uint16)
-        finite = not np.any(np.bitwise_and(bits, mask) == mask)
-    else:
-        # A NaN or Inf anywhere makes the sum non-finite, and a sum is a single fast pass; only
-        # a non-finite sum (which finite values can also give, by overflowing) needs the exact
-        # test, which materialises a mask.
-        with np.errstate(over="ignore", invalid="ignore"):  # the overflow is the signal here
-            finite = bool(np.isfinite(value.sum())) or bool(np.isfinite(value).all())
-    if not finite:
+    """Raises ``InvalidArgumentError`` if a floating-point ``value`` holds a NaN or an Inf (read
+    as a push's gradients are: ``psserver.optimizers.magnitude``)."""
+    if part.dtype.is_floating_point and magnitude(value) is None:
         raise InvalidArgumentError(f"{what} for {part.key!r} contains NaN or Inf")
 
 

@@ -297,10 +297,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """An inline push's gradients: read-only views of the request's own bytes (copies where
         a part's bytes are not aligned for its dtype), budgeted at once. A compressed push is
         assembled and widened as a streamed one is."""
-        parts, sent = self._expect(header, initialize=False)
-        if any(s is not p for s, p in zip(sent, parts)):
+        if header.wire_dtype:  # compressed: widened into pooled buffers
             chunks = (frames.Chunk(index, 0, blob) for index, blob in enumerate(data))
             return self._assemble(header, chunks, initialize=False, context=context)
+        parts, _ = self._expect(header, initialize=False)
         blobs = list(data)
         for part, blob in zip(parts, blobs):
             if len(blob) != part.nbytes:

@@ -462,8 +462,6 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
                 slot = update.slots[0]
                 self._rule.apply(slot.writable(), update.grad, slot.state, lr_scale=lr_scale)
                 slot.largest = update.bound
-                if slot.group is not None:
-                    slot.group.largest = None  # one member moved alone
             for slot in update.slots:
                 slot.version = self._version
 
