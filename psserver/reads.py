@@ -154,17 +154,28 @@ class Reads:
         deadline = self._admit_reader(worker_id, generation, session, clock, timeout)
         with self._changed:
             self._await_bound(worker_id, generation, session, clock, deadline)
-            located = []
-            for name, ids in requests:
-                table = self._tables.get(name)
-                if table is None:
-                    known = ", ".join(repr(t) for t in self._tables) or "none"
-                    raise InvalidArgumentError(f"unknown table {name!r} (the job's tables: {known})")
-                # Every request is checked before any is read.
-                located.append((name, table, ids, table.locate(ids, unique=False)))
+            # Every request is checked before any is read.
+            located = [(name, table, ids, table.locate(ids, unique=False))
+                       for name, ids in requests for table in (self._table(name),)]
             out = [(name, ids, table.read(ids, index)) for name, table, ids, index in located]
             self._counters.pulls_served += 1
             return self._version, self._current_clock(), out
+
+    def check_rows(self, requests: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Raise what :meth:`pull_rows` would for ``requests`` (an unknown table, an id outside
+        its table or on another shard), reading nothing: a read that rides on a push is checked
+        before the push is applied."""
+        with self._lock:
+            for name, ids in requests:
+                self._table(name).locate(ids, unique=False)
+
+    def _table(self, name: str):
+        # Caller holds _lock.
+        table = self._tables.get(name)
+        if table is None:
+            known = ", ".join(repr(t) for t in self._tables) or "none"
+            raise InvalidArgumentError(f"unknown table {name!r} (the job's tables: {known})")
+        return table
 
     def rows_bytes(self, requests: Sequence[tuple[str, np.ndarray]]) -> int:
         """Bytes of values a read of ``requests`` would answer with (0 for unknown tables, which

@@ -422,8 +422,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._push(context, request.header, parts, grads, release)
 
     def PushPull(self, request: ps_pb2.PushPullRequest, context: grpc.ServicerContext) -> ps_pb2.PushPullResponse:
+        asked = None
+        if request.HasField("rows"):
+            # Checked before the push, so that a read this shard would refuse applies nothing.
+            try:
+                header, rows = request.push.header, request.rows
+                if (rows.worker_id, rows.generation, rows.session) != (header.worker_id, header.generation,
+                                                                       header.session):
+                    raise errors.InvalidArgumentError(
+                        f"a push-and-pull's rows are read by worker {rows.worker_id}/{rows.generation}, its push is "
+                        f"worker {header.worker_id}/{header.generation}'s: they must be the same registration"
+                    )
+                asked = self._rows_asked(rows)
+                self._store.check_rows(asked)
+            except (errors.PSError, ValueError) as exc:
+                _abort(context, exc)
         pushed = self.PushInline(request.push, context)
-        return ps_pb2.PushPullResponse(push=pushed, pull=self.PullInline(request.pull, context))
+        reply = ps_pb2.PushPullResponse(push=pushed, pull=self.PullInline(request.pull, context))
+        if asked is not None:
+            reply.rows.CopyFrom(self._read_rows(request.rows, asked, context))
+        return reply
 
     def _push(
         self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list, release: Callable[[], None]
@@ -603,18 +621,33 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def PullRows(self, request: ps_pb2.PullRowsRequest, context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
         try:
-            asked = []
-            for block in request.rows:
-                ids, _ = rows_from_proto(block, None)
-                asked.append((block.table, ids))
-            if len({name for name, _ in asked}) != len(asked):
-                raise errors.InvalidArgumentError("a table is listed twice in one PullRows")
-            nbytes = self._store.rows_bytes(asked)
-            if nbytes > ROWS_LIMIT:
-                raise errors.TooLargeError(
-                    f"PullRows asks for {nbytes} bytes of rows, above the {ROWS_LIMIT} one call answers with: "
-                    "ask in pieces"
-                )
+            asked = self._rows_asked(request)
+        except (errors.PSError, ValueError) as exc:
+            _abort(context, exc)
+        return self._read_rows(request, asked, context)
+
+    def _rows_asked(self, request: ps_pb2.PullRowsRequest) -> list[tuple[str, np.ndarray]]:
+        """A rows read's ``(table, ids)``; raises ``InvalidArgumentError`` for bad ids or a table
+        listed twice, ``TooLargeError`` for more rows than one reply carries."""
+        asked = []
+        for block in request.rows:
+            ids, _ = rows_from_proto(block, None)
+            asked.append((block.table, ids))
+        if len({name for name, _ in asked}) != len(asked):
+            raise errors.InvalidArgumentError("a table is listed twice in one PullRows")
+        nbytes = self._store.rows_bytes(asked)
+        if nbytes > ROWS_LIMIT:
+            raise errors.TooLargeError(
+                f"PullRows asks for {nbytes} bytes of rows, above the {ROWS_LIMIT} one call answers with: "
+                "ask in pieces"
+            )
+        return asked
+
+    def _read_rows(self, request: ps_pb2.PullRowsRequest, asked: list[tuple[str, np.ndarray]],
+                   context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
+        """The rows ``asked`` (:meth:`_rows_asked`), read as ``request`` says; aborts ``context``
+        on a refusal."""
+        try:
             version, clock, rows = self._store.pull_rows(
                 asked, timeout=_time_left(context, margin=0.05), worker_id=request.worker_id,
                 generation=request.generation, clock=request.clock,

@@ -129,6 +129,8 @@ class Session:
         if not self._params:
             raise ValueError("the model has no parameters (a model of tables alone needs one dense parameter)")
         self._table_specs, self.tables = attach(model, self.client, config)
+        if self.tables is not None:
+            self.tables.step_reads_allowed = not self.overlap
         for name, param in self._params.items():
             # Pulls write into a CPU tensor of the parameter's shape: the parameter itself when it
             # lives on the CPU and is contiguous, otherwise a staging copy (pinned for CUDA).
@@ -170,6 +172,7 @@ class Session:
         started = time.monotonic()
         if self.tables is not None:
             self.tables.clear()  # this step's rows go with its dropped gradient
+            self.tables.forget_reads()
         self._register()
         self.left = False
         self.pull()
@@ -207,7 +210,12 @@ class Session:
         weights of the previous step's exchange, then start this one in the background."""
         rows = self._row_gradients()
         if not self.overlap:
-            self.client.push_pull(self._gradients(allow_none=bool(rows)), self._staging, data=self.progress, rows=rows)
+            # The next batch's rows announced with prefetch(with_step=True) ride on this step's calls.
+            reads = self.tables.step_reads() if self.tables is not None else None
+            self.client.push_pull(self._gradients(allow_none=bool(rows)), self._staging, data=self.progress, rows=rows,
+                                  read_rows=reads)
+            if reads:
+                self.tables.read_with_step(reads)
             self._load_staged()
             return
         computed_on = self._loaded_versions  # the weights this step's gradients come from

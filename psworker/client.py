@@ -409,6 +409,7 @@ class PSClient(AdminClient):
         self, grads: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor], *,
         data: Mapping[str, int] | None = None, base_versions: Sequence[int] | None = None,
         rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+        read_rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> list[ps_pb2.PushResponse | None]:
         """One training step's traffic: :meth:`push`, then :meth:`pull` into ``destinations``
         (waiting on the bound in ssp/sync). A shard whose push and pull both fit in
@@ -416,7 +417,14 @@ class PSClient(AdminClient):
         A retried call repeats the push's sequence number, so the shard applies it once.
         ``base_versions`` (one per shard): the versions the gradients were computed from, when
         not those of the last pull (a worker that overlaps steps computes on older weights).
-        ``rows`` as in :meth:`push`."""
+        ``rows`` as in :meth:`push`.
+
+        ``read_rows`` (table -> (int64 ids, each once; a float32 ``(len(ids), dim)`` array the
+        values are written into)): rows read once the push is applied, the next step's. In async
+        jobs they ride on the step's calls (one call per shard for the step and the next one's
+        rows, where a pull of rows after the step would be a second); otherwise, or when a
+        shard's share is larger than one reply carries, they are read by :meth:`pull_rows` after
+        the step (at once, not waiting on a bound)."""
         every = self._require_sessions()
         may_wait = self.consistency.mode is not Mode.ASYNC
         bases = dict(zip(map(id, every), base_versions)) if base_versions is not None else {}
@@ -425,6 +433,8 @@ class PSClient(AdminClient):
         # nothing to apply or send back; in ssp/sync its empty push still advances the clock.
         sessions = every if may_wait else [s for s in every if s.parts or blocks[id(s)]]
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
+        reads = self._step_reads(read_rows, every, sessions, may_wait)
+        plan = self._rows_plan({table: ids for table, (ids, _) in read_rows.items()}) if reads else []
 
         def prepare(session: _ShardSession) -> tuple:
             message = self._push_message(session, grads, data, bases.get(id(session)), blocks[id(session)])
@@ -439,15 +449,27 @@ class PSClient(AdminClient):
             address = session.client.address
             reply = None
             if message is not None:
+                read = reads.get(id(session)) if reads else None
                 attempt = _sent_first(
                     pending, lambda sent: session.client.finish_push_pull(sent, dest),
-                    lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait))
-                reply, header, written = retrying(attempt, self.options, address, "push and pull")
+                    lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait,
+                                                     rows=read[0] if read else None, rows_bytes=read[2] if read else 0))
+                reply, header, written, rows_reply = retrying(attempt, self.options, address, "push and pull")
                 session.clock += 1
+                if read:
+                    if rows_reply is None:
+                        raise errors.PSError(f"shard {address} answered a push-and-pull without the table rows it "
+                                             "asked for (a shard older than this worker?)")
+                    self._rows_answered(address, rows_reply, read[1], plan, {t: out for t, (_, out) in read_rows.items()})
             else:
                 header, written = retrying(
                     lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
                 )
+                read = reads.get(id(session)) if reads else None
+                if read:  # nothing to push here after all: the rows alone
+                    rows_reply = retrying(lambda: session.client.pull_rows(read[0], read[2], may_wait=False),
+                                          self.options, address, "pull rows")
+                    self._rows_answered(address, rows_reply, read[1], plan, {t: out for t, (_, out) in read_rows.items()})
             self._pulled(session, header, written, destinations)
             if timings is not None:
                 pushed = sum(len(b) for b in message[1]) if message is not None else 0
@@ -457,14 +479,40 @@ class PSClient(AdminClient):
         if may_wait or len(sessions) == 1 or not self.options.lane_calls:
             replies = self._fan_out_waiting(lambda s: complete(s, prepare(s), time.monotonic()), sessions, may_wait)
         else:
-            replies = self._push_pull_whole(sessions, prepare, complete)
+            replies = self._push_pull_whole(sessions, prepare, complete, reads)
         self._report(timings)
+        if read_rows and reads is None:
+            got = self.pull_rows({table: ids for table, (ids, _) in read_rows.items()}, wait=False)
+            for table, (_, out) in read_rows.items():
+                out[...] = got[table]
         if len(sessions) < len(every):
             answered = dict(zip(map(id, sessions), replies))
             replies = [answered.get(id(s)) for s in every]
         return replies
 
-    def _push_pull_whole(self, sessions: list[_ShardSession], prepare, complete) -> list[ps_pb2.PushResponse | None]:
+    def _step_reads(self, read_rows, every: list[_ShardSession], sessions: list[_ShardSession], may_wait: bool,
+                    ) -> dict[int, tuple[ps_pb2.PullRowsRequest, list, int]] | None:
+        """``push_pull``'s rows to read with the step, as session id -> (the PullRows request its
+        call carries, its blocks, bytes of values: ``_rows_calls``); None when they are read after the step instead (not async,
+        a shard with rows to read but no call in the step, or a share above one reply)."""
+        if not read_rows:
+            return None
+        if may_wait:
+            return None
+        plan = self._rows_plan({table: ids for table, (ids, _) in read_rows.items()})
+        calling = set(map(id, sessions))
+        reads = {}
+        for k, session in enumerate(every):
+            calls = self._rows_calls(plan, k, session, clock=-1, as_reader=False)
+            if not calls:
+                continue
+            if len(calls) > 1 or id(session) not in calling:
+                return None
+            reads[id(session)] = calls[0]
+        return reads
+
+    def _push_pull_whole(self, sessions: list[_ShardSession], prepare, complete,
+                         reads=None) -> list[ps_pb2.PushResponse | None]:
         """An async step's push-and-pull to several shards on one thread: every small call sent
         whole on its lane first, then each reply read in turn (the shards work meanwhile), where
         the fan-out would hand each call to a thread of its own. Shards whose calls cannot go
@@ -472,10 +520,15 @@ class PSClient(AdminClient):
         Every call is finished before an error is raised (the first)."""
         started = time.monotonic()
         prepared = [prepare(s) for s in sessions]
-        pending = [
-            s.client.start_push_pull(p[0][0], p[0][1], p[1], p[3]) if p[0] is not None else None
-            for s, p in zip(sessions, prepared)
-        ]
+
+        def start(session: _ShardSession, p: tuple):
+            if p[0] is None:
+                return None
+            read = reads.get(id(session)) if reads else None
+            return session.client.start_push_pull(p[0][0], p[0][1], p[1], p[3], rows=read[0] if read else None,
+                                                  rows_bytes=read[2] if read else 0)
+
+        pending = [start(s, p) for s, p in zip(sessions, prepared)]
         rest = [i for i, p in enumerate(pending) if p is None]
         if len(rest) == len(sessions):
             return self._fan_out(lambda i: complete(sessions[i], prepared[i], started), rest)
@@ -520,77 +573,87 @@ class PSClient(AdminClient):
         read without this worker's registration (one the shards fenced off, say)."""
         sessions = self._require_sessions()
         may_wait = wait and not as_reader and self.consistency.mode is not Mode.ASYNC
-        n = self.num_shards
+        plan = self._rows_plan(requests)
+        out = {table: np.empty((ids.size, spec.dim), dtype=np.float32) for table, spec, ids, _ in plan}
+
+        def read(shard: int, request, blocks, nbytes: int, pending=None) -> None:
+            client = sessions[shard].client
+            attempt = _sent_first(pending, client.finish_pull_rows,
+                                  lambda: client.pull_rows(request, nbytes, may_wait=may_wait))
+            self._rows_answered(client.address, retrying(attempt, self.options, client.address, "pull rows"),
+                                blocks, plan, out)
+
+        planned = [self._rows_calls(plan, k, sessions[k], clock=sessions[k].clock if may_wait else -1,
+                                    as_reader=as_reader) for k in range(len(sessions))]
+        if self.options.lane_calls and len(sessions) > 1 and all(len(c) <= 1 for c in planned):
+            # One call per shard: all of them sent on their lanes first, then each reply read.
+            pending = [sessions[k].client.start_pull_rows(c[0][0], c[0][2], may_wait=may_wait) if c else None
+                       for k, c in enumerate(planned)]
+            _every_one([functools.partial(read, k, *c[0], sent)
+                        for k, (c, sent) in enumerate(zip(planned, pending)) if c])
+        else:
+            self._fan_out(lambda k: [read(k, *c) for c in planned[k]], range(len(sessions)))
+        return out
+
+    def _rows_plan(self, requests: Mapping[str, np.ndarray]) -> list[tuple[str, TableSpec, np.ndarray, np.ndarray]]:
+        """``(table, spec, ids, owning shard of each id)`` of a rows read; raises ``ValueError``
+        for a table the job does not have."""
         plan = []
         for table, ids in requests.items():
             spec = self.tables.get(table)
             if spec is None:
                 raise ValueError(f"unknown table {table!r}: register it first")
             ids = np.ascontiguousarray(ids, dtype=np.int64)
-            plan.append((table, spec, ids, owner(ids, n)))
+            plan.append((table, spec, ids, owner(ids, self.num_shards)))
+        return plan
 
-        def calls(shard: int) -> list[tuple[ps_pb2.PullRowsRequest, list[tuple[str, TableSpec, np.ndarray]], int]]:
-            # This shard's rows of every table, packed into calls of at most ROWS_PER_CALL bytes
-            # of values (the shard's own limit on a reply): (request, its (table, spec,
-            # positions in the request) blocks, bytes of values). A shard with none gets none.
-            session, out, blocks, nbytes = sessions[shard], [], [], 0
+    @staticmethod
+    def _rows_calls(plan, shard: int, session: _ShardSession, *, clock: int, as_reader: bool,
+                    ) -> list[tuple[ps_pb2.PullRowsRequest, list[tuple[str, TableSpec, np.ndarray]], int]]:
+        """Shard ``shard``'s rows of every table of ``plan`` (:meth:`_rows_plan`), packed into
+        calls of at most ROWS_PER_CALL bytes of values (the shard's own limit on a reply):
+        (request, its (table, spec, positions in the table's ids) blocks, bytes of values). A
+        shard with none gets none."""
+        out, blocks, nbytes = [], [], 0
 
-            def flush() -> None:
-                request = ps_pb2.PullRowsRequest(rows=[rows_to_proto(table, plan_ids[table][piece])
-                                                       for table, _, piece in blocks],
-                                                 clock=session.clock if may_wait else -1)
-                if not as_reader:
-                    request.worker_id, request.generation, request.session = (
-                        session.worker_id, session.generation, session.secret)
-                out.append((request, list(blocks), nbytes))
+        def flush() -> None:
+            request = ps_pb2.PullRowsRequest(rows=[rows_to_proto(table, ids[piece]) for table, _, piece, ids in blocks],
+                                             clock=clock)
+            if not as_reader:
+                request.worker_id, request.generation, request.session = (
+                    session.worker_id, session.generation, session.secret)
+            out.append((request, [(table, spec, piece) for table, spec, piece, _ in blocks], nbytes))
 
-            for table, spec, ids, where in plan:
-                positions = np.flatnonzero(where == shard)
-                step = max(1, ROWS_PER_CALL // spec.row_bytes)
-                for start in range(0, positions.size, step):
-                    piece = positions[start:start + step]
-                    if blocks and nbytes + piece.size * spec.row_bytes > ROWS_PER_CALL:
-                        flush()
-                        blocks, nbytes = [], 0
-                    blocks.append((table, spec, piece))
-                    nbytes += piece.size * spec.row_bytes
-            if blocks:
-                flush()
-            return out
-
-        def read(shard: int, request, blocks, nbytes: int, pending=None) -> list:
-            client = sessions[shard].client
-            attempt = _sent_first(pending, client.finish_pull_rows,
-                                  lambda: client.pull_rows(request, nbytes, may_wait=may_wait))
-            reply = retrying(attempt, self.options, client.address, "pull rows")
-            if len(reply.rows) != len(blocks):
-                raise errors.InvalidArgumentError(f"shard {client.address} answered {len(reply.rows)} tables' rows "
-                                                  f"for {len(blocks)}")
-            got = []
-            for (table, spec, piece), block in zip(blocks, reply.rows):
-                got_ids, values = rows_from_proto(block, spec.dim)
-                if block.table != table or not np.array_equal(got_ids, plan_ids[table][piece]):
-                    raise errors.InvalidArgumentError(f"shard {client.address} answered other rows of "
-                                                      f"table {table!r} than asked for")
-                got.append((table, piece, values))
-            return got
-
-        plan_ids = {table: ids for table, _, ids, _ in plan}
-        out = {table: np.empty((ids.size, spec.dim), dtype=np.float32) for table, spec, ids, _ in plan}
-        planned = [calls(shard) for shard in range(n)]
-        if self.options.lane_calls and n > 1 and all(len(c) <= 1 for c in planned):
-            # One call per shard: all of them sent on their lanes first, then each reply read.
-            pending = [sessions[k].client.start_pull_rows(c[0][0], c[0][2], may_wait=may_wait) if c else None
-                       for k, c in enumerate(planned)]
-            results = _every_one([functools.partial(read, k, *c[0], sent)
-                                  for k, (c, sent) in enumerate(zip(planned, pending)) if c])
-        else:
-            results = [got for per_shard in self._fan_out(
-                lambda k: [read(k, *c) for c in planned[k]], range(n)) for got in per_shard]
-        for got in results:
-            for table, positions, values in got:
-                out[table][positions] = values
+        for table, spec, ids, where in plan:
+            positions = np.flatnonzero(where == shard)
+            step = max(1, ROWS_PER_CALL // spec.row_bytes)
+            for start in range(0, positions.size, step):
+                piece = positions[start:start + step]
+                if blocks and nbytes + piece.size * spec.row_bytes > ROWS_PER_CALL:
+                    flush()
+                    blocks, nbytes = [], 0
+                blocks.append((table, spec, piece, ids))
+                nbytes += piece.size * spec.row_bytes
+        if blocks:
+            flush()
         return out
+
+    @staticmethod
+    def _rows_answered(address: str, reply: ps_pb2.PullRowsResponse, blocks, plan,
+                       out: Mapping[str, np.ndarray]) -> None:
+        """Write a rows reply's values into ``out`` (table -> values of the plan's ids), once it
+        is checked to answer ``blocks``; raises ``InvalidArgumentError`` for a reply that does
+        not."""
+        if len(reply.rows) != len(blocks):
+            raise errors.InvalidArgumentError(f"shard {address} answered {len(reply.rows)} tables' rows "
+                                              f"for {len(blocks)}")
+        asked = {table: ids for table, _, ids, _ in plan}
+        for (table, spec, piece), block in zip(blocks, reply.rows):
+            got_ids, values = rows_from_proto(block, spec.dim)
+            if block.table != table or not np.array_equal(got_ids, asked[table][piece]):
+                raise errors.InvalidArgumentError(f"shard {address} answered other rows of "
+                                                  f"table {table!r} than asked for")
+            out[table][piece] = values
 
     def _report(self, timings: list[tuple[float, float, float]] | None) -> None:
         """Hand the phases of the slowest shard's call to ``options.on_exchange``."""

@@ -101,16 +101,23 @@ class ShardedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, sharded"
 
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Start pulling the rows of ``ids`` (the next batch's) in the background, while this
-        step computes; the next forward with the same ids uses them instead of pulling. Async
-        jobs only: the rows are read before this step's push lands, so a row both batches touch
-        lacks this worker's newest update to it (one step of staleness, measured by the shards
-        like any other). Raises ``ValueError`` in ssp and sync jobs, whose reads wait on the
-        bound."""
+    def prefetch(self, ids: torch.Tensor, *, with_step: bool = False) -> None:
+        """Read the rows of ``ids`` (the next batch's) ahead; the next forward with the same ids
+        uses them instead of pulling. Async jobs only. Raises ``ValueError`` in ssp and sync
+        jobs, whose reads wait on the bound.
+
+        By default the rows are pulled in the background at once, while this step computes: they
+        are read before this step's push lands, so a row both batches touch lacks this worker's
+        newest update to it (one step of staleness, measured by the shards like any other).
+
+        ``with_step=True``, called before ``optimizer.step()``: the rows ride on the step's
+        push-and-pull instead, read by each shard right after it applied this step's push (no
+        staleness of this worker's own, and one call per shard for the step and the next
+        batch's rows rather than two). With ``overlap`` (the step runs in the background) the
+        rows are pulled in the background as by default."""
         if self._tables is None:
             raise RuntimeError("prefetch needs the model handed to session.prepare first")
-        self._tables.prefetch(self, ids)
+        self._tables.prefetch(self, ids, with_step=with_step)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._tables is None:
@@ -169,6 +176,11 @@ class TableRows:
         self._lookups: dict[str, list[tuple[np.ndarray, torch.Tensor]]] = {}
         self._prefetched: dict[str, tuple[torch.Tensor, futures.Future]] = {}
         self._prefetcher: futures.ThreadPoolExecutor | None = None
+        self._with_step: dict[str, torch.Tensor] = {}
+        """Table -> the distinct ids the next step's push-and-pull reads (``prefetch(with_step=True)``)."""
+        self.step_reads_allowed = True
+        """False when steps run in the background (overlap): rows announced for the step are
+        then pulled in the background at once."""
         self.rows_looked_up = 0
         """Ids looked up for training, repeats included (the unique ratio's denominator)."""
         self.rows_unique = 0
@@ -201,12 +213,15 @@ class TableRows:
             self.rows_unique += unique.numel()
         return rows[inverse.to(rows.device)].reshape(*ids.shape, module.embedding_dim)
 
-    def prefetch(self, module: ShardedEmbedding, ids: torch.Tensor) -> None:
+    def prefetch(self, module: ShardedEmbedding, ids: torch.Tensor, *, with_step: bool = False) -> None:
         """:meth:`ShardedEmbedding.prefetch`."""
         if self.client.consistency.mode is not Mode.ASYNC:
             raise ValueError(f"prefetching rows needs an async job, and this one is "
                              f"{self.client.consistency.describe()}: its reads wait on the bound")
         unique, _ = _distinct(module, ids)
+        if with_step and self.step_reads_allowed:
+            self._with_step[module.name] = unique
+            return
         if self._prefetcher is None:
             self._prefetcher = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="psworker-rows")
         previous = self._prefetched.pop(module.name, None)
@@ -215,9 +230,29 @@ class TableRows:
         self._prefetched[module.name] = (
             unique, self._prefetcher.submit(self.client.pull_rows, {module.name: unique.numpy()}, wait=False))
 
+    def step_reads(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """The rows announced for the next step (table -> (distinct ids, a float32 array their
+        values are to be written into)), forgotten here: the step hands them back through
+        :meth:`read_with_step` once they are read."""
+        reads = {name: (unique.numpy(), np.empty((unique.numel(), self.client.tables[name].dim), dtype=np.float32))
+                 for name, unique in self._with_step.items()}
+        self._with_step.clear()
+        return reads
+
+    def read_with_step(self, reads: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Rows the step read (:meth:`step_reads`, filled in), for the next lookups of those ids."""
+        for name, (ids, values) in reads.items():
+            done: futures.Future = futures.Future()
+            done.set_result({name: values})
+            previous = self._prefetched.pop(name, None)
+            if previous is not None:
+                previous[1].cancel()
+            self._prefetched[name] = (torch.from_numpy(ids), done)
+
     def close(self) -> None:
         """Stop the prefetching thread (the session closes)."""
         self._prefetched.clear()
+        self._with_step.clear()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
 
@@ -247,6 +282,14 @@ class TableRows:
     def clear(self) -> None:
         """Forget this step's lookups (once pushed)."""
         self._lookups.clear()
+
+    def forget_reads(self) -> None:
+        """Forget every read ahead (the worker registered again: what was read for the old
+        registration is looked up anew)."""
+        for _, pending in self._prefetched.values():
+            pending.cancel()
+        self._prefetched.clear()
+        self._with_step.clear()
 
 
 def _distinct(module: ShardedEmbedding, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

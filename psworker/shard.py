@@ -69,6 +69,11 @@ def _session_of(method: str, request) -> tuple[int, int]:
     return request.worker_id, request.generation
 
 
+def _rows_of(reply: ps_pb2.PushPullResponse) -> ps_pb2.PullRowsResponse | None:
+    """The rows a push-and-pull's reply carries (None: it carries none)."""
+    return reply.rows if reply.HasField("rows") else None
+
+
 @dataclass(eq=False)
 class _Pending:
     """A call sent whole on a lane (``ShardClient._start``) whose reply is still to be read;
@@ -219,25 +224,26 @@ class ShardClient(ShardChannel):
 
     def start_push_pull(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest, nbytes: int,
+        rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0,
     ) -> "_Pending | None":
         """Send a push and the pull after it (not waiting on a bound) as one call whole on a
         lane, and return at once: ``finish_push_pull`` reads the reply, so that a worker's calls
         to several shards are all under way before it waits for any, on one thread. None when
         either side is above ``inline_bytes`` or the call cannot go on a lane (use
-        :meth:`push_pull`; nothing was sent)."""
+        :meth:`push_pull`; nothing was sent). ``rows`` as in :meth:`push_pull`."""
         pushed, limit = sum(len(b) for b in buffers), self.options.inline_bytes
         if nbytes > limit or pushed > limit:
             return None
         push = ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers])
-        return self._start("PushPull", ps_pb2.PushPullRequest(push=push, pull=request),
-                           self._pull_deadline(nbytes + pushed, False))
+        return self._start("PushPull", ps_pb2.PushPullRequest(push=push, pull=request, rows=rows),
+                           self._pull_deadline(nbytes + pushed + rows_bytes, False))
 
     def finish_push_pull(
         self, pending: "_Pending", destinations: Mapping[str, torch.Tensor],
-    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int]]:
+    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int], ps_pb2.PullRowsResponse | None]:
         """:meth:`push_pull`'s result for a call :meth:`start_push_pull` sent; raises as it."""
         reply = self._finish(pending)
-        return (reply.push, *self._write_inline(reply.pull, destinations))
+        return (reply.push, *self._write_inline(reply.pull, destinations), _rows_of(reply))
 
     def _on_lane(self, lane: Lane, method: str, request, timeout: float, stage=None, receive=None):
         """One call whose bytes travel on ``lane``: ``stage`` (token, views) is sent before the
@@ -394,18 +400,24 @@ class ShardClient(ShardChannel):
     def push_pull(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest,
         destinations: Mapping[str, torch.Tensor], nbytes: int, *, may_wait: bool = False,
-    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int]]:
+        rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0,
+    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int], ps_pb2.PullRowsResponse | None]:
         """A push and the pull after it in one call: each side inline when within
         ``inline_bytes``, else on a bulk lane. Without a lane for a larger side: a push, then a
-        pull (a retry repeats the push's sequence number either way, so it applies once)."""
+        pull (a retry repeats the push's sequence number either way, so it applies once).
+        ``rows``: a read of table rows (``rows_bytes`` of values) once the push is applied, in
+        the same call; its reply is the last of the four results (None without ``rows``)."""
         pushed = sum(len(b) for b in buffers)
         limit = self.options.inline_bytes
         large = pushed > limit or nbytes > limit
         lane = self.lanes.take() if large else None
         if lane is None and large:
-            return (self.push(header, buffers), *self.pull(request, destinations, nbytes, may_wait=may_wait))
-        timeout = self._pull_deadline(nbytes + pushed, may_wait)
-        call = ps_pb2.PushPullRequest(pull=request)
+            pushed_reply = self.push(header, buffers)
+            pulled = self.pull(request, destinations, nbytes, may_wait=may_wait)
+            return (pushed_reply, *pulled,
+                    self.pull_rows(rows, rows_bytes, may_wait=False) if rows is not None else None)
+        timeout = self._pull_deadline(nbytes + pushed + rows_bytes, may_wait)
+        call = ps_pb2.PushPullRequest(pull=request, rows=rows)
         stage = receive = None
         if pushed > limit:
             stage = (lane.next_token(), buffers)
@@ -420,9 +432,9 @@ class ShardClient(ShardChannel):
             receive = lambda: self._receive_on_lane(lane, token, destinations, timeout)  # noqa: E731
         if lane is None:
             reply = self._small("PushPull", call, timeout)
-            return (reply.push, *self._write_inline(reply.pull, destinations))
+            return (reply.push, *self._write_inline(reply.pull, destinations), _rows_of(reply))
         reply, received = self._on_lane(lane, "PushPull", call, timeout, stage, receive)
-        return (reply.push, *(received or self._write_inline(reply.pull, destinations)))
+        return (reply.push, *(received or self._write_inline(reply.pull, destinations)), _rows_of(reply))
 
     def _pull_deadline(self, nbytes: int, may_wait: bool) -> float:
         return self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)

@@ -103,6 +103,11 @@ class Task:
     reference: dict[str, float] = field(default_factory=dict)
     """Known best values (e.g. ``{"teacher_auc": ...}``), included in :func:`evaluate`'s result
     so that a run's numbers show next to them."""
+    prefetch: Callable[[nn.Module, torch.Tensor], None] | None = None
+    """Optional, for models with ``ShardedEmbedding`` tables: ``(model, the next batch's
+    inputs)``, called by the training loop of a cluster worker between a step's backward and its
+    ``optimizer.step()``, announces the rows the next batch looks up
+    (``ShardedEmbedding.prefetch(ids, with_step=True)``), so that they ride on the step's calls."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -119,6 +124,8 @@ class Task:
             raise ValueError(f"task {self.name!r}: defaults must be a TaskDefaults")
         if self.metrics is not None and not callable(self.metrics):
             raise ValueError(f"task {self.name!r}: metrics must be callable or None")
+        if self.prefetch is not None and not callable(self.prefetch):
+            raise ValueError(f"task {self.name!r}: prefetch must be callable or None")
         if not (isinstance(self.reference, dict)
                 and all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in self.reference.items())):
             raise ValueError(f"task {self.name!r}: reference must be a dict of names to numbers")

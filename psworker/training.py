@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Iterator
 import sys
 import threading
 import time
@@ -16,6 +17,7 @@ import torch
 
 from pswire import errors
 from pswire.codec import WIRE_DTYPES
+from pswire.consistency import Mode
 from psworker.api import connect
 from psworker.client import ClientOptions
 from psworker.config import WorkerConfig
@@ -217,7 +219,10 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         metrics.take_exchange()  # the initial pull (and a sync job's wait for its workers) is no step's
     started = time.monotonic()
 
-    def train_step(idx: torch.Tensor) -> None:
+    # The next batch's table rows ride on this step's calls (psworker.tasks.Task.prefetch).
+    prefetch = task.prefetch if session is not None and session.client.consistency.mode is Mode.ASYNC else None
+
+    def train_step(idx: torch.Tensor, following: torch.Tensor | None = None) -> None:
         nonlocal samples, step
         step += 1
         step_started = time.monotonic()
@@ -225,6 +230,8 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         loss = task.loss_fn(model(x), y)
         optimizer.zero_grad()
         loss.backward()
+        if prefetch is not None and following is not None:
+            prefetch(model, x_train[following].to(device, non_blocking=True))
         exchange_started = time.monotonic()
         optimizer.step()
         exchange_seconds = time.monotonic() - exchange_started
@@ -254,11 +261,14 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
     try:
         model.train()
         if feed is None:
-            for step_number in range(first_step, total + 1):
-                idx = data.next_batch(batch_size)
+            batches = _batches(data, first_step, total, batch_size)
+            current = next(batches, None)
+            while current is not None:
+                _, idx, position = current
                 if session is not None:
-                    session.progress = {"step": step_number, "epoch": data.epoch, "position": data.position}
-                train_step(idx)
+                    session.progress = position
+                current = next(batches, None)  # the next batch, for prefetching its rows
+                train_step(idx, current[1] if current is not None else None)
         else:
             on_task = (lambda: metrics.data(tasks=feed.tasks, wait_seconds=feed.wait_seconds)) if metrics else None
             stopped = _train_tasks(feed, session, batch_size, train_step, stop, config.name, on_task)
@@ -330,7 +340,9 @@ def _train_tasks(feed: DataFeed, session, batch_size: int, train_step, stop: thr
         for offset in range(0, task.size, batch_size):
             if stop is not None and stop.is_set():
                 return True
-            train_step(indices[offset:offset + batch_size])
+            following = offset + batch_size
+            train_step(indices[offset:following],
+                       indices[following:following + batch_size] if following < task.size else None)
             if session.client.registration() != lease.registration:
                 # Fenced and registered again during the step: the task went back to the queue.
                 log.warning("%s: %s went back to the queue when this worker was fenced; taking the next",
@@ -343,6 +355,14 @@ def _train_tasks(feed: DataFeed, session, batch_size: int, train_step, stop: thr
             feed.finish(lease)
             continue
         feed.current = None
+
+
+def _batches(data: DataSlice, first: int, last: int, batch_size: int) -> Iterator[tuple[int, torch.Tensor, dict]]:
+    """Steps ``first..last`` of a static split: (step number, the batch's indices, the progress
+    once it is taken, as pushes record it)."""
+    for step_number in range(first, last + 1):
+        idx = data.next_batch(batch_size)
+        yield step_number, idx, {"step": step_number, "epoch": data.epoch, "position": data.position}
 
 
 def _wait_for_workers(session, count: int, timeout: float, name: str, mode: str) -> None:

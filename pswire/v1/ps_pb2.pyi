@@ -628,17 +628,21 @@ class InlinePull(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ..., bulk_bytes: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("push", "pull")
+    __slots__ = ("push", "pull", "rows")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     push: InlinePush
     pull: PullRequest
-    def __init__(self, push: _Optional[_Union[InlinePush, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ...) -> None: ...
+    rows: PullRowsRequest
+    def __init__(self, push: _Optional[_Union[InlinePush, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., rows: _Optional[_Union[PullRowsRequest, _Mapping]] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("push", "pull")
+    __slots__ = ("push", "pull", "rows")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     push: PushResponse
     pull: InlinePull
-    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., pull: _Optional[_Union[InlinePull, _Mapping]] = ...) -> None: ...
+    rows: PullRowsResponse
+    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., pull: _Optional[_Union[InlinePull, _Mapping]] = ..., rows: _Optional[_Union[PullRowsResponse, _Mapping]] = ...) -> None: ...
