@@ -60,7 +60,11 @@ def _fused_add(x: np.ndarray, alpha: np.float32, y: np.ndarray) -> np.ndarray:
     """``x + alpha * y`` rounded once to float32, as torch's ``axpy`` (a fused multiply-add)
     computes ``dense.add_(sparse, alpha=alpha)``: in float64 the product is exact, and the sum is
     rounded to float64 and then to float32 (see the module's note on double rounding)."""
-    return (x.astype(np.float64) + np.float64(alpha) * y.astype(np.float64)).astype(_FLOAT32)
+    # float64(alpha) * y, then + x, computed in float64 with one temporary (x and y widened as
+    # they are read): the same roundings as widening both first.
+    out = np.multiply(y, np.float64(alpha), dtype=np.float64)
+    np.add(out, x, out=out)
+    return out.astype(_FLOAT32)
 
 
 def _describe(a: object) -> str:

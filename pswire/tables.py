@@ -174,15 +174,29 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64's output function of each uint64 counter of ``x`` (wrapping arithmetic): the
     counter-based generator behind the initial values (and ``dlrm-synth``'s data)."""
     with np.errstate(over="ignore"):
+        # In place, with one temporary: the same operations as z = (z ^ (z >> 30)) * MIX1 ...
         z = x + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        return z ^ (z >> np.uint64(31))
+        t = np.right_shift(z, _S30)
+        z ^= t
+        z *= _MIX1
+        np.right_shift(z, _S27, out=t)
+        z ^= t
+        z *= _MIX2
+        np.right_shift(z, _S31, out=t)
+        z ^= t
+        return z
+
+
+_S11, _S27, _S30, _S31 = (np.uint64(n) for n in (11, 27, 30, 31))
 
 
 def _uniform01(counters: np.ndarray) -> np.ndarray:
     """A float64 in [0, 1) per counter: the top 53 bits of SplitMix64."""
-    return (splitmix64(counters) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    bits = splitmix64(counters)
+    bits >>= _S11
+    out = bits.astype(np.float64)
+    out *= 1.0 / (1 << 53)
+    return out
 
 
 def _key(spec: TableSpec) -> np.uint64:
@@ -204,10 +218,22 @@ def initial_rows(spec: TableSpec, ids: np.ndarray, *, chunk_rows: int = 1 << 14)
             rows = ids[start:start + chunk_rows].astype(np.uint64)
             # Two counters per element (Box-Muller needs two uniforms); the key offsets them all.
             base = (rows[:, None] * np.uint64(spec.dim) + columns[None, :]) * np.uint64(2) + key
+            # In place, each operation as the expressions in the comments (the same roundings).
             if spec.init == "uniform":
-                values = (2.0 * _uniform01(base) - 1.0) * spec.init_scale
+                values = _uniform01(base)  # (2.0 * u - 1.0) * init_scale
+                values *= 2.0
+                values -= 1.0
+                values *= spec.init_scale
             else:
-                u1, u2 = _uniform01(base), _uniform01(base + np.uint64(1))
-                values = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2) * spec.init_scale
-            out[start:start + rows.size] = values
+                values, u2 = _uniform01(base), _uniform01(base + np.uint64(1))
+                # sqrt(-2.0 * log1p(-u1)) * cos(2.0 * pi * u2) * init_scale
+                np.negative(values, out=values)
+                np.log1p(values, out=values)
+                values *= -2.0
+                np.sqrt(values, out=values)
+                u2 *= 2.0 * np.pi
+                np.cos(u2, out=u2)
+                values *= u2
+                values *= spec.init_scale
+            out[start:start + rows.size] = values.reshape(rows.size, spec.dim)
     return out
