@@ -179,6 +179,17 @@ def _elastic_scaling(results: dict) -> Check:
     return _check("8c", name, scaling["ratio"], "<", 1.0, detail)
 
 
+def _elastic_emulated(results: dict) -> Check:
+    emulated = (results.get("elastic") or {}).get("emulated")
+    more, fewer = (emulated["workers"], emulated["fewer"]) if emulated else (4, 2)
+    name = f"job time, {more} dynamic workers < 1 x {fewer}, emulated accelerators"
+    if not emulated:
+        return _check("8d", name, None, "<", 1.0, "")
+    detail = (f"{emulated['seconds']:.1f} / {emulated['fewer_seconds']:.1f} s, first step to last "
+              f"({emulated['job_steps']}-step job, steps stretched x{emulated['slowdown']:g} by a sleep)")
+    return _check("8d", name, emulated["ratio"], "<", 1.0, detail)
+
+
 def _sparse_steps(results: dict) -> Check:
     name = "sparse step time, 10M-row table <= 1.3 x 100K-row table"
     steps = (results.get("sparse") or {}).get("steps")
@@ -248,6 +259,7 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _elastic_throughput,
     _elastic_accuracy,
     _elastic_scaling,
+    _elastic_emulated,
     _sparse_steps,
     _sparse_cluster,
     _scale,

@@ -190,9 +190,19 @@ class ElasticJob:
     1e-2 ended anywhere from 0.93 down to 0.58 with either split, and one of about 25 never
     learned (accuracy 0.09: all ReLUs dead); at 5e-3 they end at 0.91-0.94."""
 
+    emulated_slowdown: float = 4.0
+    """The scaling figure with emulated accelerators: every worker's step is stretched to this
+    many times its length by a sleep (``psworker --slowdown``), so that a worker's compute is
+    not the 2 cores' to share. 4: four workers then keep about one core busy, two about half."""
+    emulated_runs: int = 2
+    """Runs of the job by ``workers`` and by ``fewer`` dynamic workers with emulated
+    accelerators (0: none)."""
+
     def __post_init__(self) -> None:
         if not 1 <= self.fewer < self.workers or self.runs < 1 or self.shards < 1 or not self.lr > 0:
             raise ValueError(f"need 1 <= fewer < workers, runs >= 1, shards >= 1 and lr > 0: {self}")
+        if not self.emulated_slowdown >= 1 or self.emulated_runs < 0:
+            raise ValueError(f"need emulated_slowdown >= 1 and emulated_runs >= 0: {self}")
         if self.steps < self.workers or self.steps % self.workers:
             raise ValueError(f"steps ({self.steps}) must be a positive multiple of workers ({self.workers})")
 
@@ -201,7 +211,7 @@ class ElasticJob:
 # note in psworker.tasks); 2400 steps reach that band with 4 workers too (at ElasticJob.lr), in
 # 5-10 s of training on 2 cores, so the 9 jobs take 2-3 minutes with start-ups.
 ELASTIC_JOB = ElasticJob(steps=2400, workers=4, fewer=2, runs=3)
-QUICK_ELASTIC_JOB = ElasticJob(steps=100, workers=2, fewer=1, runs=1)
+QUICK_ELASTIC_JOB = ElasticJob(steps=100, workers=2, fewer=1, runs=1, emulated_runs=1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,11 @@
   on the shards' weights.
 * scaling: the same job trained by 2 dynamic workers, beside each 4-worker run: the job's time
   from the first worker's first step to the last task's last step (each worker's start from
-  its log line ``starts at step 1``, its end from its result line), 4 workers against 2.
+  its log line ``starts at step 1``, its end from its result line), 4 workers against 2. On 2
+  cores two CPU-bound workers already use the machine, so the same job is also trained by 4
+  and by 2 dynamic workers that emulate accelerators (``psworker --slowdown``: each step
+  stretched by a sleep to ``ElasticJob.emulated_slowdown`` times its length), as the scale
+  section's workers do: what more workers buy when their compute is their own.
 
 Every run has shards of its own, started before the clock starts: a job's data queue, once
 done, stays done. All processes share this machine's cores.
@@ -265,6 +269,14 @@ def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 6
             log.info("mnist1d-cnn seed %d, %d %s workers: test accuracy %.3f, job %.1fs (%.1fs with start-ups)",
                      seed, workers, "dynamic" if dynamic else "static", run.test_accuracy, run.seconds,
                      run.wall_seconds)
+    emulated: dict[int, list[JobRun]] = {job.workers: [], job.fewer: []}
+    slow = ("--slowdown", f"{job.emulated_slowdown:g}")
+    for seed in range(job.emulated_runs):
+        for workers in (job.workers, job.fewer) if seed % 2 == 0 else (job.fewer, job.workers):
+            run = run_job(children, job, workers=workers, dynamic=True, seed=seed, timeout=timeout, extra=slow)
+            emulated[workers].append(run)
+            log.info("mnist1d-cnn seed %d, %d dynamic workers at --slowdown %g: job %.1fs", seed, workers,
+                     job.emulated_slowdown, run.seconds)
     static, dynamic, fewer = (runs[setup] for setup in setups)
     accuracy = {
         "static": spread([r.test_accuracy for r in static]),
@@ -286,4 +298,15 @@ def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 6
             "static_seconds": median([r.seconds for r in static]),
             "fewer_runs": [r.to_dict() for r in fewer],
         },
+        **({"emulated": {
+            **common, "workers": job.workers, "fewer": job.fewer, "slowdown": job.emulated_slowdown,
+            "runs": job.emulated_runs,
+            "seconds": median([r.seconds for r in emulated[job.workers]]),
+            "fewer_seconds": median([r.seconds for r in emulated[job.fewer]]),
+            "ratio": median_ratio([r.seconds for r in emulated[job.workers]],
+                                  [r.seconds for r in emulated[job.fewer]]),
+            "test_accuracy": [r.test_accuracy for r in emulated[job.workers] + emulated[job.fewer]],
+            "more_runs": [r.to_dict() for r in emulated[job.workers]],
+            "fewer_runs": [r.to_dict() for r in emulated[job.fewer]],
+        }} if job.emulated_runs else {}),
     }

@@ -223,6 +223,12 @@ def _elastic(elastic: dict) -> list[str]:
                      f"{scaling['seconds']:.1f} s, with {scaling['fewer']} {scaling['fewer_seconds']:.1f} s, first "
                      f"step to last: {scaling['workers']} / {scaling['fewer']} = {_ratio(scaling['ratio'])} "
                      f"({_ratio(scaling['wall_ratio'])} with start-ups and evaluation)")
+    emulated = elastic.get("emulated")
+    if emulated:
+        lines.append(f"scaling with emulated accelerators (each step stretched x{emulated['slowdown']:g} by a sleep): "
+                     f"{emulated['workers']} dynamic workers {emulated['seconds']:.1f} s, {emulated['fewer']} "
+                     f"{emulated['fewer_seconds']:.1f} s, first step to last: {emulated['workers']} / "
+                     f"{emulated['fewer']} = {_ratio(emulated['ratio'])}")
     return lines
 
 

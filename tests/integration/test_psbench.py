@@ -96,6 +96,10 @@ def test_quick_run_reports_every_section(tmp_path):
         assert sum(run["worker_examples"]) == job["steps"] * 100 and len(run["worker_examples"]) == run["workers"]
     assert elastic["accuracy"]["static"]["std"] is None  # one run each
     assert (elastic["scaling"]["workers"], elastic["scaling"]["fewer"]) == (job["workers"], job["fewer"])
+    emulated = elastic["emulated"]  # the same job by workers whose steps a sleep stretches
+    assert (emulated["workers"], emulated["fewer"], emulated["runs"]) == (job["workers"], job["fewer"], 1)
+    for run in emulated["more_runs"] + emulated["fewer_runs"]:
+        assert sum(run["worker_examples"]) == job["steps"] * 100 and run["seconds"] > 0
 
     # Embedding tables: the same batches against a 100K- and a 10M-row table; dlrm-synth (1M
     # rows) in a cluster and locally; the cluster's rows against the goodput section's dense path.
@@ -119,7 +123,7 @@ def test_quick_run_reports_every_section(tmp_path):
     assert scale["cpu_fit"] is None  # one model and shard count: no fit to make
 
     checks = {c["id"]: c for c in doc["checks"]}
-    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8c", "9", "9b", "10"}
+    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8c", "8d", "9", "9b", "10"}
     assert all(isinstance(c["passed"], bool) for c in checks.values()), checks
 
     env = doc["environment"]
@@ -189,8 +193,8 @@ def test_elastic_figures_from_result_lines(tmp_path):
 
 
 @pytest.mark.parametrize(("ratio", "difference", "scaling", "passed"), [
-    (1.01, -0.4, 0.8, (True, True, True)),
-    (0.95, 2.0, 1.0, (False, False, False)),
+    (1.01, -0.4, 0.8, (True, True, True, True)),
+    (0.95, 2.0, 1.0, (False, False, False, False)),
 ])
 def test_elastic_checks(ratio, difference, scaling, passed):
     from psbench.checks import compute_checks
@@ -206,11 +210,14 @@ def test_elastic_checks(ratio, difference, scaling, passed):
                      "static": side, "dynamic": side, "difference_points": difference},
         "scaling": {"workers": 4, "fewer": 2, "job_steps": 2400, "seconds": 10.0 * scaling, "fewer_seconds": 10.0,
                     "ratio": scaling, "wall_ratio": 1.1, "static_seconds": 11.0},
+        "emulated": {"workers": 4, "fewer": 2, "job_steps": 2400, "slowdown": 4.0, "seconds": 20.0 * scaling,
+                     "fewer_seconds": 20.0, "ratio": scaling},
     }
     checks = {c.id: c for c in compute_checks({"elastic": elastic})}
-    assert (checks["8"].passed, checks["8b"].passed, checks["8c"].passed) == passed
+    assert (checks["8"].passed, checks["8b"].passed, checks["8c"].passed, checks["8d"].passed) == passed
+    assert "emulated accelerators" in checks["8d"].name and "x4 by a sleep" in checks["8d"].detail
     assert checks["8b"].value == abs(difference) and checks["8c"].comparison == "<"
     assert "4 dynamic vs 4 static" in checks["8b"].name and "4 dynamic workers < 1 x 2" in checks["8c"].name
     table = "\n".join(_elastic(elastic))
-    assert f"{difference:+.2f} points" in table and "4 / 2 =" in table
+    assert f"{difference:+.2f} points" in table and "4 / 2 =" in table and "emulated accelerators" in table
     assert all(c.passed is None for c in compute_checks({}) if c.id.startswith("8"))
