@@ -433,8 +433,7 @@ class PSClient(AdminClient):
         # nothing to apply or send back; in ssp/sync its empty push still advances the clock.
         sessions = every if may_wait else [s for s in every if s.parts or blocks[id(s)]]
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
-        reads = self._step_reads(read_rows, every, sessions, may_wait)
-        plan = self._rows_plan({table: ids for table, (ids, _) in read_rows.items()}) if reads else []
+        plan, reads = self._step_reads(read_rows, every, sessions, may_wait)
 
         def prepare(session: _ShardSession) -> tuple:
             message = self._push_message(session, grads, data, bases.get(id(session)), blocks[id(session)])
@@ -491,14 +490,13 @@ class PSClient(AdminClient):
         return replies
 
     def _step_reads(self, read_rows, every: list[_ShardSession], sessions: list[_ShardSession], may_wait: bool,
-                    ) -> dict[int, tuple[ps_pb2.PullRowsRequest, list, int]] | None:
-        """``push_pull``'s rows to read with the step, as session id -> (the PullRows request its
-        call carries, its blocks, bytes of values: ``_rows_calls``); None when they are read after the step instead (not async,
-        a shard with rows to read but no call in the step, or a share above one reply)."""
-        if not read_rows:
-            return None
-        if may_wait:
-            return None
+                    ) -> tuple[list, dict[int, tuple[ps_pb2.PullRowsRequest, list, int]] | None]:
+        """``push_pull``'s rows to read with the step: their plan (``_rows_plan``) and, as
+        session id -> (the PullRows request its call carries, its blocks, bytes of values:
+        ``_rows_calls``), the reads; None when they are read after the step instead (not
+        async, a shard with rows to read but no call in the step, or a share above one reply)."""
+        if not read_rows or may_wait:
+            return [], None
         plan = self._rows_plan({table: ids for table, (ids, _) in read_rows.items()})
         calling = set(map(id, sessions))
         reads = {}
@@ -507,9 +505,9 @@ class PSClient(AdminClient):
             if not calls:
                 continue
             if len(calls) > 1 or id(session) not in calling:
-                return None
+                return plan, None
             reads[id(session)] = calls[0]
-        return reads
+        return plan, reads
 
     def _push_pull_whole(self, sessions: list[_ShardSession], prepare, complete,
                          reads=None) -> list[ps_pb2.PushResponse | None]:
