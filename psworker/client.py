@@ -434,6 +434,7 @@ class PSClient(AdminClient):
         sessions = every if may_wait else [s for s in every if s.parts or blocks[id(s)]]
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
         plan, reads = self._step_reads(read_rows, every, sessions, may_wait)
+        row_outs = {table: out for table, (_, out) in (read_rows or {}).items()}
 
         def prepare(session: _ShardSession) -> tuple:
             message = self._push_message(session, grads, data, bases.get(id(session)), blocks[id(session)])
@@ -447,8 +448,8 @@ class PSClient(AdminClient):
             message, request, dest, nbytes = prepared
             address = session.client.address
             reply = None
+            read = reads.get(id(session)) if reads else None
             if message is not None:
-                read = reads.get(id(session)) if reads else None
                 attempt = _sent_first(
                     pending, lambda sent: session.client.finish_push_pull(sent, dest),
                     lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait,
@@ -459,16 +460,15 @@ class PSClient(AdminClient):
                     if rows_reply is None:
                         raise errors.PSError(f"shard {address} answered a push-and-pull without the table rows it "
                                              "asked for (a shard older than this worker?)")
-                    self._rows_answered(address, rows_reply, read[1], plan, {t: out for t, (_, out) in read_rows.items()})
+                    self._rows_answered(address, rows_reply, read[1], plan, row_outs)
             else:
                 header, written = retrying(
                     lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
                 )
-                read = reads.get(id(session)) if reads else None
                 if read:  # nothing to push here after all: the rows alone
                     rows_reply = retrying(lambda: session.client.pull_rows(read[0], read[2], may_wait=False),
                                           self.options, address, "pull rows")
-                    self._rows_answered(address, rows_reply, read[1], plan, {t: out for t, (_, out) in read_rows.items()})
+                    self._rows_answered(address, rows_reply, read[1], plan, row_outs)
             self._pulled(session, header, written, destinations)
             if timings is not None:
                 pushed = sum(len(b) for b in message[1]) if message is not None else 0
@@ -482,7 +482,7 @@ class PSClient(AdminClient):
         self._report(timings)
         if read_rows and reads is None:
             got = self.pull_rows({table: ids for table, (ids, _) in read_rows.items()}, wait=False)
-            for table, (_, out) in read_rows.items():
+            for table, out in row_outs.items():
                 out[...] = got[table]
         if len(sessions) < len(every):
             answered = dict(zip(map(id, sessions), replies))
