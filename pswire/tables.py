@@ -175,8 +175,9 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     counter-based generator behind the initial values (and ``dlrm-synth``'s data)."""
     with np.errstate(over="ignore"):
         # In place, with one temporary: the same operations as z = (z ^ (z >> 30)) * MIX1 ...
-        z = x + _GOLDEN
-        t = np.right_shift(z, _S30)
+        z = np.array(x, dtype=np.uint64)  # a copy, an array even of one counter (0-d)
+        z += _GOLDEN
+        t = np.right_shift(z, _S30, out=np.empty_like(z))
         z ^= t
         z *= _MIX1
         np.right_shift(z, _S27, out=t)

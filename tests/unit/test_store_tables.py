@@ -134,3 +134,24 @@ def test_rows_never_written_read_as_their_initial_values_and_cost_no_writes():
     np.testing.assert_array_equal(_rows(store, ids), initial_rows(TABLE, ids))
     status = store.status()["tables"][0]
     assert status["rows_written"] == 0 and status["rows_pulled"] == 3
+
+
+def test_initial_values_are_the_documented_stream_bit_for_bit():
+    """The seeded initializer is part of the job's contract (restores of never-written rows,
+    ``localize`` for local training): its values are pinned, for both initializers, and its
+    generator takes one counter (a 0-d array) as well as many."""
+    import hashlib
+
+    from pswire.tables import splitmix64
+
+    ids = np.concatenate([np.arange(0, 40000, 7), np.array([9_999_999, 3_456_789])])
+    pinned = {"normal": "e1b840a0ab084183f0df48a6720f031f68ec963c20ae6c3d2750558da5e82955",
+              "uniform": "0c85a76859bc9aaf804a23f1dc309aabcc97bcc37714029a92f00823c57c1af3"}
+    for init, digest in pinned.items():
+        spec = TableSpec(name="emb", num_rows=10_000_000, dim=64, optimizer=OptimizerConfig(name="adagrad", lr=0.1),
+                         init=init, init_scale=0.01, seed=3)
+        assert hashlib.sha256(initial_rows(spec, ids).tobytes()).hexdigest() == digest, init
+    counters = np.arange(1000, dtype=np.uint64)
+    assert splitmix64(np.asarray(5, dtype=np.uint64))[()] == 7134611160154358618
+    assert splitmix64(counters)[5] == 7134611160154358618
+    assert np.array_equal(counters, np.arange(1000, dtype=np.uint64))  # the input is not written
