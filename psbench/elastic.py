@@ -14,7 +14,11 @@
   Adam at half the task's learning rate, which 4 async workers need to train stably) trained by
   4 static and by 4 dynamic workers, 3 runs each with seeds 0, 1, 2 (a run of each setup per
   seed: the same initial weights and epoch orders), the final model's test accuracy evaluated
-  on the shards' weights.
+  on the shards' weights. Every run's workers hold step 1 until all of them have joined
+  (``psworker --min-workers``), so that both setups train side by side from the first step.
+  Without it the static split's start-up skew let its first workers train alone for a while,
+  at lower staleness (the shard's histogram: most pushes 1 version stale, against 3 for dynamic
+  data), which was worth about 3 points of accuracy to the static split (docs/elastic.md).
 * scaling: the same job trained by 2 dynamic workers, beside each 4-worker run: the job's time
   from the first worker's first step to the last task's last step (each worker's start from
   its log line ``starts at step 1``, its end from its result line), 4 workers against 2. On 2
@@ -236,7 +240,8 @@ def run_job(children: Children, job: ElasticJob, *, workers: int, dynamic: bool,
                      ("--worker-index", str(i), "--num-workers", str(workers), "--steps", str(job.steps // workers)))
             running.append(children.start_module(
                 f"cnn-{kind}{workers}-seed{seed}-worker{i}", "psworker", "--ps", ps, "--task", CNN_TASK, *place,
-                "--seed", str(seed), "--lr", str(job.lr), "--worker-name", f"{kind}-worker{i}", *_CNN_FLAGS, *extra,
+                "--seed", str(seed), "--lr", str(job.lr), "--worker-name", f"{kind}-worker{i}",
+                "--min-workers", str(workers), *_CNN_FLAGS, *extra,
                 separate_stdout=True,
             ))
         results = [worker_result(child, timeout) for child in running]

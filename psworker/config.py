@@ -66,6 +66,10 @@ class WorkerConfig:
                                   "workers ask, so identical workers can join and leave at any time.")
     num_workers: int | None = _f(None, "Static split: the number of workers sharing the data (with --worker-index; "
                                  "default: 1).")
+    min_workers: int = _f(0, "Hold step 1 until this many workers have joined the job (any mode, static or dynamic "
+                          "data; 0: sync and ssp workers of a static split wait for --num-workers, others start at "
+                          "once). Workers then train side by side from the first step, as an elastic job's minimum "
+                          "size does.")
     data_task_size: int | None = _f(None, "Dynamic data: examples per data task, the unit a worker leases, trains and "
                                     "reports (default: about 256, in whole batches). Every worker must use the same.")
     worker_name: str | None = _f(None, "Stable name of this worker (default: worker-<index>, or <host>-<pid> with "
@@ -144,6 +148,9 @@ class WorkerConfig:
             raise ValueError("--data-task-size must be >= 1, and is for dynamic data (no --worker-index, not --local)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        if self.min_workers < 0 or (self.min_workers and self.local):
+            raise ValueError(f"--min-workers must be >= 0, and is for workers of shards (not --local); got "
+                             f"{self.min_workers}")
         if self.slowdown < 1.0:
             raise ValueError(f"--slowdown must be >= 1, got {self.slowdown}")
         self.consistency()  # validates the mode's settings

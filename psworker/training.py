@@ -202,9 +202,10 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
         log.info("%s resumes at step %d of %d (epoch %d, position %d): the progress the shards recorded",
                  config.name, first_step, total, resume["epoch"], resume["position"])
     else:
-        if session is not None and plan is None and config.mode in ("sync", "ssp") and config.count > 1:
+        wait_for = config.min_workers or (config.count if plan is None and config.mode in ("sync", "ssp") else 0)
+        if session is not None and wait_for > 1:
             try:
-                _wait_for_workers(session, config.count, config.wait_timeout, config.name, config.mode)
+                _wait_for_workers(session, wait_for, config.wait_timeout, config.name, config.mode)
             except BaseException:
                 session.close()
                 raise
@@ -366,10 +367,12 @@ def _batches(data: DataSlice, first: int, last: int, batch_size: int) -> Iterato
 
 
 def _wait_for_workers(session, count: int, timeout: float, name: str, mode: str) -> None:
-    """Sync and SSP: hold step 1 until ``count`` workers are live on every shard. In sync every
-    clock then averages every worker's gradient from the first; in SSP the staleness bound covers
-    every worker from the first (without this, the first workers to start would train alone, up
-    to the whole job, before a slow one joined). Raises ``DeadlineError`` after ``timeout``."""
+    """Hold step 1 until ``count`` workers are live on every shard (``--min-workers``; sync and
+    SSP workers of a static split wait for ``--num-workers``). In sync every clock then averages
+    every worker's gradient from the first; in SSP the staleness bound covers every worker from
+    the first (without this, the first workers to start would train alone, up to the whole job,
+    before a slow one joined); in async the workers train side by side from the first step, at
+    the staleness they will keep. Raises ``DeadlineError`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     next_log = time.monotonic() + 5.0
     pause = threading.Event()

@@ -172,3 +172,30 @@ def test_sync_workers_hold_step_one_until_all_have_joined(shards):
     (status,) = _status(a.address)
     # 20 clocks of two gradients each: nobody stepped alone before the other joined.
     assert (status.version, status.pushes_received, status.pushes_applied) == (20, 40, 20)
+
+
+def test_min_workers_holds_dynamic_async_workers_at_step_one_until_enough_have_joined(shards):
+    """--min-workers, in any mode and with dynamic data: an early worker trains nothing until
+    the others have joined (and gives up after --wait-timeout when they never do)."""
+    (a,) = shards(1)
+
+    def dynamic(name: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "psworker", "--ps", a.address, "--task", "linreg", "--steps", "40",
+             "--threads", "1", "--progress", "log", "--worker-name", name, "--min-workers", "2", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+
+    alone = dynamic("early", "--wait-timeout", "3")
+    out, err = alone.communicate(timeout=120)
+    assert alone.returncode == 1 and "only 1 of 2 workers joined the async job within 3s" in err, err[-2000:]
+    (status,) = _status(a.address)
+    assert status.pushes_received == 0  # it trained nothing while it waited
+
+    first = dynamic("first")
+    wait_until(lambda: any(w.live and w.worker_name == "first" for w in _status(a.address)[0].workers),
+               120, first, "the first worker's registration")
+    (status,) = _status(a.address)
+    assert status.pushes_received == 0  # registered, and holding step 1
+    second = dynamic("second")
+    results = _finish([first, second])
+    assert sum(r["steps"] for r in results) == 40  # the job's steps, shared

@@ -24,6 +24,8 @@ def test_flags_win_over_environment_which_wins_over_defaults():
     (["--ps", "h:1", "--num-workers", "2"], {}, "--num-workers needs --worker-index"),
     (["--ps", "h:1", "--worker-index", "0", "--data-task-size", "64"], {}, "--data-task-size must be >= 1, and is for dynamic"),
     (["--ps", "h:1", "--data-task-size", "0"], {}, "--data-task-size must be >= 1"),
+    (["--ps", "h:1", "--min-workers", "-1"], {}, "--min-workers must be >= 0"),
+    (["--local", "--min-workers", "2"], {}, "--min-workers must be >= 0, and is for workers of shards"),
     (["--ps", "h:1"], {"PSWORKER_PROGRESS": "bogus"}, "PSWORKER_PROGRESS='bogus' (--progress) must be one of auto, bar"),
 ])
 def test_worker_config_errors_name_the_problem(argv, env, message, capsys):
