@@ -168,26 +168,17 @@ def _elastic_accuracy(results: dict) -> Check:
     return _check("8b", name, abs(accuracy["difference_points"]), "<=", 1.5, detail)
 
 
-def _elastic_scaling(results: dict) -> Check:
-    scaling = (results.get("elastic") or {}).get("scaling")
-    more, fewer = (scaling["workers"], scaling["fewer"]) if scaling else (4, 2)
-    name = f"job time, {more} dynamic workers < 1 x {fewer}"
-    if not scaling:
-        return _check("8c", name, None, "<", 1.0, "")
-    detail = (f"{scaling['seconds']:.1f} / {scaling['fewer_seconds']:.1f} s, first step to last "
-              f"({scaling['job_steps']}-step job)")
-    return _check("8c", name, scaling["ratio"], "<", 1.0, detail)
-
-
-def _elastic_emulated(results: dict) -> Check:
-    emulated = (results.get("elastic") or {}).get("emulated")
-    more, fewer = (emulated["workers"], emulated["fewer"]) if emulated else (4, 2)
-    name = f"job time, {more} dynamic workers < 1 x {fewer}, emulated accelerators"
-    if not emulated:
-        return _check("8d", name, None, "<", 1.0, "")
-    detail = (f"{emulated['seconds']:.1f} / {emulated['fewer_seconds']:.1f} s, first step to last "
-              f"({emulated['job_steps']}-step job, steps stretched x{emulated['slowdown']:g} by a sleep)")
-    return _check("8d", name, emulated["ratio"], "<", 1.0, detail)
+def _job_time(results: dict, key: str, check_id: str, *, emulated: bool) -> Check:
+    """8c (``scaling``) and 8d (``emulated``): the job's time with more dynamic workers against fewer."""
+    figures = (results.get("elastic") or {}).get(key)
+    more, fewer = (figures["workers"], figures["fewer"]) if figures else (4, 2)
+    name = f"job time, {more} dynamic workers < 1 x {fewer}" + (", emulated accelerators" if emulated else "")
+    if not figures:
+        return _check(check_id, name, None, "<", 1.0, "")
+    how = f", steps stretched x{figures['slowdown']:g} by a sleep" if emulated else ""
+    detail = (f"{figures['seconds']:.1f} / {figures['fewer_seconds']:.1f} s, first step to last "
+              f"({figures['job_steps']}-step job{how})")
+    return _check(check_id, name, figures["ratio"], "<", 1.0, detail)
 
 
 def _sparse_steps(results: dict) -> Check:
@@ -258,8 +249,8 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _metrics,
     _elastic_throughput,
     _elastic_accuracy,
-    _elastic_scaling,
-    _elastic_emulated,
+    lambda r: _job_time(r, "scaling", "8c", emulated=False),
+    lambda r: _job_time(r, "emulated", "8d", emulated=True),
     _sparse_steps,
     _sparse_cluster,
     _scale,

@@ -27,24 +27,13 @@ from pswire.v1 import ps_pb2
 from pswire.wire import rows_to_proto
 from psworker import client as client_module
 from psworker.client import ClientOptions, PSClient
-from psworker.embedding import ShardedEmbedding
 from psworker.shard import ShardClient
+from tests.integration.test_sparse_export import DIM, FEATURES, ROWS, _Model
 
 pytestmark = pytest.mark.timeout(120)
 
 WAIT = 20.0
-ROWS, DIM, FEATURES = 4000, 8, 3
 ADAGRAD = OptimizerConfig(name="adagrad", lr=0.05)
-
-
-class _Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = ShardedEmbedding(ROWS, DIM, init_scale=0.1, seed=7)
-        self.top = nn.Linear(DIM * FEATURES, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.top(self.emb(ids).flatten(1))
 
 
 def _batches(steps: int, batch: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
