@@ -30,11 +30,13 @@
 Every run has shards of its own, started before the clock starts: a job's data queue, once
 done, stays done. All processes share this machine's cores.
 
-How long, on 2 cores: 2.5-4 minutes (135 s with a load average of 1-4 from other work, 166 s
-at 5-6; 7 minutes at 15): the throughput pairs 1-2 minutes (10 runs of 2 workers, 5-9 s of
-training each, with start-ups), the 9 mnist1d-cnn jobs 1-2 (4-8 s of training each).
-``--quick`` (1 pair of short runs; 2 static, 2 dynamic and 1 dynamic worker on a 100-step job):
-about 40 s.
+How long, on 2 cores: 3.5-5 minutes (135 s with a load average of 1-4 from other work, 166 s
+at 5-6; 7 minutes at 15, before the emulated runs; 578 s on a machine 2-3x slower than usual):
+the throughput pairs 1-2 minutes (10 runs of 2 workers, 5-9 s of training each, with
+start-ups), the 9 mnist1d-cnn jobs 1-2 (4-8 s of training each), the 4 emulated ones about 1
+(the 4-worker job at about twice the CPU-bound one's time, the 2-worker job at four times).
+``--quick`` (1 pair of short runs; 2 static, 2 dynamic and 1 dynamic worker on a 100-step job,
+and the emulated 2 and 1): about a minute.
 """
 
 from __future__ import annotations
