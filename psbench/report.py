@@ -219,17 +219,19 @@ def _elastic(elastic: dict) -> list[str]:
              "dynamic worker's wait for the others at the job's end)",
              *_table(["figure", "static", "dynamic", "dynamic / static"], rows)]
     if scaling:
-        lines.append(f"scaling: the {scaling['job_steps']}-step job with {scaling['workers']} dynamic workers "
-                     f"{scaling['seconds']:.1f} s, with {scaling['fewer']} {scaling['fewer_seconds']:.1f} s, first "
-                     f"step to last: {scaling['workers']} / {scaling['fewer']} = {_ratio(scaling['ratio'])} "
-                     f"({_ratio(scaling['wall_ratio'])} with start-ups and evaluation)")
+        lines.append(f"scaling: {_job_times(scaling)} ({_ratio(scaling['wall_ratio'])} with start-ups and evaluation)")
     emulated = elastic.get("emulated")
     if emulated:
         lines.append(f"scaling with emulated accelerators (each step stretched x{emulated['slowdown']:g} by a sleep): "
-                     f"{emulated['workers']} dynamic workers {emulated['seconds']:.1f} s, {emulated['fewer']} "
-                     f"{emulated['fewer_seconds']:.1f} s, first step to last: {emulated['workers']} / "
-                     f"{emulated['fewer']} = {_ratio(emulated['ratio'])}")
+                     f"{_job_times(emulated)}")
     return lines
+
+
+def _job_times(figures: dict) -> str:
+    """The elastic job's time with more and with fewer dynamic workers, and their ratio."""
+    return (f"the {figures['job_steps']}-step job with {figures['workers']} dynamic workers {figures['seconds']:.1f} s, "
+            f"with {figures['fewer']} {figures['fewer_seconds']:.1f} s, first step to last: {figures['workers']} / "
+            f"{figures['fewer']} = {_ratio(figures['ratio'])}")
 
 
 def _sparse(sparse: dict) -> list[str]:

@@ -154,9 +154,10 @@ class Reads:
         deadline = self._admit_reader(worker_id, generation, session, clock, timeout)
         with self._changed:
             self._await_bound(worker_id, generation, session, clock, deadline)
-            # Every request is checked before any is read.
-            located = [(name, table, ids, table.locate(ids, unique=False))
-                       for name, ids in requests for table in (self._table(name),)]
+            located = []
+            for name, ids in requests:  # every request is checked before any is read
+                table = self._table(name)
+                located.append((name, table, ids, table.locate(ids, unique=False)))
             out = [(name, ids, table.read(ids, index)) for name, table, ids, index in located]
             self._counters.pulls_served += 1
             return self._version, self._current_clock(), out

@@ -225,10 +225,6 @@ class DlrmModel(nn.Module):
             self.emb.prefetch(x[:, self.dense_features:].long(), with_step=True)
 
 
-def _prefetch(model: nn.Module, x: torch.Tensor) -> None:
-    model.prefetch(x)
-
-
 def _int(name: str, value: object, low: int, high: int | None = None) -> int:
     text = str(value).strip()
     try:
@@ -289,5 +285,5 @@ def dlrm_synth(seed: int = 0, rows: str = "1000000", dim: str = "64", features: 
     return Task(name="dlrm-synth", model=model, train=(torch.from_numpy(x), torch.from_numpy(y)),
                 test=(torch.from_numpy(x_test), torch.from_numpy(y_test)),
                 loss_fn=nn.functional.binary_cross_entropy_with_logits, classification=False,
-                defaults=defaults, metrics=_metrics, prefetch=_prefetch, reference={"teacher_auc": auc(teacher_logits, y_test),
+                defaults=defaults, metrics=_metrics, prefetch=DlrmModel.prefetch, reference={"teacher_auc": auc(teacher_logits, y_test),
                                "teacher_dense_auc": auc(dense_logits, y_test)})
