@@ -9,8 +9,9 @@ from pswire.errors import InvalidArgumentError
 
 __all__ = ["DataPlan", "DataTask", "MAX_HELD"]
 
-MAX_HELD = 8
-"""The most data tasks one worker may hold at once: nobody can drain the queue and starve the rest."""
+MAX_HELD = 32
+"""The most data tasks one worker may hold at once: nobody can drain the queue and starve the rest
+(a worker leases no more than its share of what is left besides, ``psworker.elastic.DataFeed``)."""
 
 @dataclass(frozen=True)
 class DataPlan:

@@ -23,14 +23,13 @@ from pswire.codec import Part, dtype_to_wire, on_wire
 from pswire.dtypes import dtype_of
 from pswire.optim import OptimizerConfig
 from pswire.placement import Placement, VariableSpec, place
-from pswire.tables import TableSpec, owner
+from pswire.tables import TableSpec
 from pswire.v1 import ps_pb2
-from pswire.wire import (
-    consistency_from_proto, consistency_to_proto, optimizer_to_proto, rows_from_proto, rows_to_proto, table_to_proto,
-)
+from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_to_proto, table_to_proto
 from psworker.admin import AdminClient
 from psworker.options import ClientOptions, parse_addresses
 from psworker.retry import retrying
+from psworker.rowreads import Identity, PlannedTable, RowsCall, plan_rows, row_blocks, rows_calls, write_rows
 from psworker.shard import ShardClient
 from psworker.tensors import tensor_bytes, torch_dtype
 
@@ -61,6 +60,10 @@ class _ShardSession:
     known: dict[str, tuple[int, weakref.ref, int]] = field(default_factory=dict)
     """Part key -> (version, the tensor it was pulled into, that tensor's data pointer). Both
     must still match for a pull to skip the part: a new tensor can get a freed one's address."""
+
+
+def _identity(session: _ShardSession) -> Identity:
+    return Identity(session.worker_id, session.generation, session.secret)
 
 
 def _sent_first(pending, finish: Callable, again: Callable) -> Callable:
@@ -294,7 +297,7 @@ class PSClient(AdminClient):
         """The next push to ``session`` (None when it holds none of ``grads`` and no ``rows``
         and, in async, needs no clock tick); takes the next sequence number. ``base_version``:
         the version the gradient was computed from, when not that of the last pull. ``rows``:
-        this shard's blocks of table rows (:meth:`_row_blocks`)."""
+        this shard's blocks of table rows (``psworker.rowreads.row_blocks``)."""
         parts = [p for p in session.parts if p.name in grads]
         if not parts and not rows and self.consistency.mode is Mode.ASYNC:
             return None
@@ -387,7 +390,7 @@ class PSClient(AdminClient):
         this worker's clock there. ``rows``: table -> ``(ids, gradients)`` of this step's rows
         (each id once), pushed with the gradients to the shards holding them."""
         sessions = self._require_sessions()
-        blocks = dict(zip(map(id, sessions), self._row_blocks(rows)))
+        blocks = dict(zip(map(id, sessions), row_blocks(self.tables, self.num_shards, rows)))
         timings: list[tuple[float, float, float]] | None = [] if self.options.on_exchange is not None else None
 
         def one(session: _ShardSession) -> ps_pb2.PushResponse | None:
@@ -428,7 +431,7 @@ class PSClient(AdminClient):
         every = self._require_sessions()
         may_wait = self.consistency.mode is not Mode.ASYNC
         bases = dict(zip(map(id, every), base_versions)) if base_versions is not None else {}
-        blocks = dict(zip(map(id, every), self._row_blocks(rows)))
+        blocks = dict(zip(map(id, every), row_blocks(self.tables, self.num_shards, rows)))
         # In async a shard holding none of the model (a packed one) and no rows of this step has
         # nothing to apply or send back; in ssp/sync its empty push still advances the clock.
         sessions = every if may_wait else [s for s in every if s.parts or blocks[id(s)]]
@@ -453,22 +456,23 @@ class PSClient(AdminClient):
                 attempt = _sent_first(
                     pending, lambda sent: session.client.finish_push_pull(sent, dest),
                     lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait,
-                                                     rows=read[0] if read else None, rows_bytes=read[2] if read else 0))
+                                                     rows=read.request if read else None,
+                                                     rows_bytes=read.nbytes if read else 0))
                 reply, header, written, rows_reply = retrying(attempt, self.options, address, "push and pull")
                 session.clock += 1
                 if read:
                     if rows_reply is None:
                         raise errors.PSError(f"shard {address} answered a push-and-pull without the table rows it "
                                              "asked for (a shard older than this worker?)")
-                    self._rows_answered(address, rows_reply, read[1], plan, row_outs)
+                    write_rows(address, rows_reply, read, plan, row_outs)
             else:
                 header, written = retrying(
                     lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
                 )
                 if read:  # nothing to push here after all: the rows alone
-                    rows_reply = retrying(lambda: session.client.pull_rows(read[0], read[2], may_wait=False),
+                    rows_reply = retrying(lambda: session.client.pull_rows(read.request, read.nbytes, may_wait=False),
                                           self.options, address, "pull rows")
-                    self._rows_answered(address, rows_reply, read[1], plan, row_outs)
+                    write_rows(address, rows_reply, read, plan, row_outs)
             self._pulled(session, header, written, destinations)
             if timings is not None:
                 pushed = sum(len(b) for b in message[1]) if message is not None else 0
@@ -490,18 +494,17 @@ class PSClient(AdminClient):
         return replies
 
     def _step_reads(self, read_rows, every: list[_ShardSession], sessions: list[_ShardSession], may_wait: bool,
-                    ) -> tuple[list, dict[int, tuple[ps_pb2.PullRowsRequest, list, int]] | None]:
-        """``push_pull``'s rows to read with the step: their plan (``_rows_plan``) and, as
-        session id -> (the PullRows request its call carries, its blocks, bytes of values:
-        ``_rows_calls``), the reads; None when they are read after the step instead (not
-        async, a shard with rows to read but no call in the step, or a share above one reply)."""
+                    ) -> tuple[list[PlannedTable], dict[int, RowsCall] | None]:
+        """``push_pull``'s rows to read with the step: their plan and, as session id -> the
+        ``PullRows`` its call carries, the reads; None when they are read after the step instead
+        (not async, a shard with rows to read but no call in the step, or a share above one reply)."""
         if not read_rows or may_wait:
             return [], None
-        plan = self._rows_plan({table: ids for table, (ids, _) in read_rows.items()})
+        plan = plan_rows(self.tables, self.num_shards, {table: ids for table, (ids, _) in read_rows.items()})
         calling = set(map(id, sessions))
         reads = {}
         for k, session in enumerate(every):
-            calls = self._rows_calls(plan, k, session, clock=-1, as_reader=False)
+            calls = rows_calls(plan, k, identity=_identity(session), clock=-1, limit=ROWS_PER_CALL)
             if not calls:
                 continue
             if len(calls) > 1 or id(session) not in calling:
@@ -523,8 +526,8 @@ class PSClient(AdminClient):
             if p[0] is None:
                 return None
             read = reads.get(id(session)) if reads else None
-            return session.client.start_push_pull(p[0][0], p[0][1], p[1], p[3], rows=read[0] if read else None,
-                                                  rows_bytes=read[2] if read else 0)
+            return session.client.start_push_pull(p[0][0], p[0][1], p[1], p[3], rows=read.request if read else None,
+                                                  rows_bytes=read.nbytes if read else 0)
 
         pending = [start(s, p) for s, p in zip(sessions, prepared)]
         rest = [i for i, p in enumerate(pending) if p is None]
@@ -545,23 +548,6 @@ class PSClient(AdminClient):
                    + ([gather] if later is not None else []))
         return replies
 
-    def _row_blocks(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None) -> list[list[ps_pb2.RowBlock]]:
-        """Each shard's ``RowBlock`` messages of ``rows`` (table -> (ids, gradients)): row ``i``
-        goes to shard ``i % n``. Every table of ``rows`` gets a block on every shard, an empty
-        one where none of its rows lives there, so that each shard counts the table's step."""
-        n = self.num_shards
-        out: list[list[ps_pb2.RowBlock]] = [[] for _ in range(n)]
-        for table, (ids, values) in (rows or {}).items():
-            if table not in self.tables:
-                raise ValueError(f"unknown table {table!r}: register it first")
-            ids = np.ascontiguousarray(ids, dtype=np.int64)
-            values = np.ascontiguousarray(values, dtype=np.float32)
-            where = owner(ids, n)
-            for shard in range(n):
-                mask = where == shard
-                out[shard].append(rows_to_proto(table, ids[mask], values[mask]))
-        return out
-
     def pull_rows(
         self, requests: Mapping[str, np.ndarray], *, wait: bool = True, as_reader: bool = False
     ) -> dict[str, np.ndarray]:
@@ -571,87 +557,27 @@ class PSClient(AdminClient):
         read without this worker's registration (one the shards fenced off, say)."""
         sessions = self._require_sessions()
         may_wait = wait and not as_reader and self.consistency.mode is not Mode.ASYNC
-        plan = self._rows_plan(requests)
-        out = {table: np.empty((ids.size, spec.dim), dtype=np.float32) for table, spec, ids, _ in plan}
+        plan = plan_rows(self.tables, self.num_shards, requests)
+        out = {t.table: np.empty((t.ids.size, t.spec.dim), dtype=np.float32) for t in plan}
 
-        def read(shard: int, request, blocks, nbytes: int, pending=None) -> None:
+        def read(shard: int, call: RowsCall, pending=None) -> None:
             client = sessions[shard].client
             attempt = _sent_first(pending, client.finish_pull_rows,
-                                  lambda: client.pull_rows(request, nbytes, may_wait=may_wait))
-            self._rows_answered(client.address, retrying(attempt, self.options, client.address, "pull rows"),
-                                blocks, plan, out)
+                                  lambda: client.pull_rows(call.request, call.nbytes, may_wait=may_wait))
+            write_rows(client.address, retrying(attempt, self.options, client.address, "pull rows"), call, plan, out)
 
-        planned = [self._rows_calls(plan, k, sessions[k], clock=sessions[k].clock if may_wait else -1,
-                                    as_reader=as_reader) for k in range(len(sessions))]
+        planned = [rows_calls(plan, k, identity=None if as_reader else _identity(session),
+                              clock=session.clock if may_wait else -1, limit=ROWS_PER_CALL)
+                   for k, session in enumerate(sessions)]
         if self.options.lane_calls and len(sessions) > 1 and all(len(c) <= 1 for c in planned):
             # One call per shard: all of them sent on their lanes first, then each reply read.
-            pending = [sessions[k].client.start_pull_rows(c[0][0], c[0][2], may_wait=may_wait) if c else None
+            pending = [sessions[k].client.start_pull_rows(c[0].request, c[0].nbytes, may_wait=may_wait) if c else None
                        for k, c in enumerate(planned)]
-            _every_one([functools.partial(read, k, *c[0], sent)
+            _every_one([functools.partial(read, k, c[0], sent)
                         for k, (c, sent) in enumerate(zip(planned, pending)) if c])
         else:
-            self._fan_out(lambda k: [read(k, *c) for c in planned[k]], range(len(sessions)))
+            self._fan_out(lambda k: [read(k, c) for c in planned[k]], range(len(sessions)))
         return out
-
-    def _rows_plan(self, requests: Mapping[str, np.ndarray]) -> list[tuple[str, TableSpec, np.ndarray, np.ndarray]]:
-        """``(table, spec, ids, owning shard of each id)`` of a rows read; raises ``ValueError``
-        for a table the job does not have."""
-        plan = []
-        for table, ids in requests.items():
-            spec = self.tables.get(table)
-            if spec is None:
-                raise ValueError(f"unknown table {table!r}: register it first")
-            ids = np.ascontiguousarray(ids, dtype=np.int64)
-            plan.append((table, spec, ids, owner(ids, self.num_shards)))
-        return plan
-
-    @staticmethod
-    def _rows_calls(plan, shard: int, session: _ShardSession, *, clock: int, as_reader: bool,
-                    ) -> list[tuple[ps_pb2.PullRowsRequest, list[tuple[str, TableSpec, np.ndarray]], int]]:
-        """Shard ``shard``'s rows of every table of ``plan`` (:meth:`_rows_plan`), packed into
-        calls of at most ROWS_PER_CALL bytes of values (the shard's own limit on a reply):
-        (request, its (table, spec, positions in the table's ids) blocks, bytes of values). A
-        shard with none gets none."""
-        out, blocks, nbytes = [], [], 0
-
-        def flush() -> None:
-            request = ps_pb2.PullRowsRequest(rows=[rows_to_proto(table, ids[piece]) for table, _, piece, ids in blocks],
-                                             clock=clock)
-            if not as_reader:
-                request.worker_id, request.generation, request.session = (
-                    session.worker_id, session.generation, session.secret)
-            out.append((request, [(table, spec, piece) for table, spec, piece, _ in blocks], nbytes))
-
-        for table, spec, ids, where in plan:
-            positions = np.flatnonzero(where == shard)
-            step = max(1, ROWS_PER_CALL // spec.row_bytes)
-            for start in range(0, positions.size, step):
-                piece = positions[start:start + step]
-                if blocks and nbytes + piece.size * spec.row_bytes > ROWS_PER_CALL:
-                    flush()
-                    blocks, nbytes = [], 0
-                blocks.append((table, spec, piece, ids))
-                nbytes += piece.size * spec.row_bytes
-        if blocks:
-            flush()
-        return out
-
-    @staticmethod
-    def _rows_answered(address: str, reply: ps_pb2.PullRowsResponse, blocks, plan,
-                       out: Mapping[str, np.ndarray]) -> None:
-        """Write a rows reply's values into ``out`` (table -> values of the plan's ids), once it
-        is checked to answer ``blocks``; raises ``InvalidArgumentError`` for a reply that does
-        not."""
-        if len(reply.rows) != len(blocks):
-            raise errors.InvalidArgumentError(f"shard {address} answered {len(reply.rows)} tables' rows "
-                                              f"for {len(blocks)}")
-        asked = {table: ids for table, _, ids, _ in plan}
-        for (table, spec, piece), block in zip(blocks, reply.rows):
-            got_ids, values = rows_from_proto(block, spec.dim)
-            if block.table != table or not np.array_equal(got_ids, asked[table][piece]):
-                raise errors.InvalidArgumentError(f"shard {address} answered other rows of "
-                                                  f"table {table!r} than asked for")
-            out[table][piece] = values
 
     def _report(self, timings: list[tuple[float, float, float]] | None) -> None:
         """Hand the phases of the slowest shard's call to ``options.on_exchange``."""

@@ -45,11 +45,12 @@ if TYPE_CHECKING:
 
 __all__ = ["DataFeed", "ElasticSampler", "LEASE_AHEAD_SECONDS", "Lease", "default_task_size", "epoch_order"]
 
-LEASE_AHEAD_SECONDS = 0.05
+LEASE_AHEAD_SECONDS = 0.2
 """A worker leases enough tasks ahead to train this long (at least ``DataFeed``'s ``prefetch``, at
 most what a worker may hold, and no more than its share of the tasks left): fast steps then ask
 for data less often. Measured on the 15K MLP, 2 workers x 2 shards, dynamic / static data:
-0.91 with two tasks ahead, 0.95 with six (docs/benchmarks.md)."""
+0.91 with two tasks ahead, 0.95 with six (docs/benchmarks.md); one exchange per 0.2 s of
+training instead of per 0.05 s (up to 31 tasks ahead, not 7): see docs/benchmarks.md."""
 
 log = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ def test_a_worker_holds_at_most_max_held_tasks():
     assert len(queue.lease("b", 1, MAX_HELD)) == MAX_HELD
     first = queue.held_by("a", 1)[0]
     queue.finish("a", 1, first, 1)
-    assert queue.lease("a", 1, MAX_HELD) == [DataTask(0, 16, 17)]
+    assert queue.lease("a", 1, MAX_HELD) == [DataTask(0, 2 * MAX_HELD, 2 * MAX_HELD + 1)]
 
 
 @pytest.mark.parametrize("want", [-1, MAX_HELD + 1, 1 << 40])
