@@ -32,7 +32,7 @@ class LaneContext:
     whole: its deadline, and the status it ends with."""
 
     transport = "lane"
-    """Where the call's own bytes travel (``psserver.servicer.Traffic``)."""
+    """Where the call's own bytes travel (``psserver.intake.Traffic``)."""
 
     def __init__(self, timeout: float) -> None:
         self._deadline = time.monotonic() + timeout

@@ -28,7 +28,7 @@ from prometheus_client.utils import floatToGoString
 
 from psserver.checkpointer import Checkpointer
 from psserver.inflight import InflightBudget
-from psserver.servicer import Traffic
+from psserver.intake import Traffic
 from psserver.state import STALENESS_BUCKETS
 from psserver.store import ShardStore
 from pswire.histograms import Histogram

@@ -18,7 +18,7 @@ from psserver.config import ServerConfig, parse_args
 from psserver.consistency import Consistency, Mode, StalePolicy
 from psserver.inflight import InflightBudget
 from psserver.metrics import PUSH_OUTCOMES, STALENESS_BOUNDS, ShardCollector, metrics_url
-from psserver.servicer import Traffic
+from psserver.intake import Traffic
 from psserver.state import STALENESS_BUCKETS, Counters
 from psserver.store import NonFiniteError, Registration, ShardStore
 from pswire.codec import Part
