@@ -165,6 +165,8 @@ def _elastic_accuracy(results: dict) -> Check:
 
     detail = (f"dynamic {side(accuracy['dynamic'])} vs static {side(accuracy['static'])}, "
               f"{accuracy['runs']} run(s) each of a {accuracy['job_steps']}-step job")
+    if accuracy.get("difference_stderr_points") is not None:
+        detail += f"; standard error of the difference {accuracy['difference_stderr_points']:.2f} points"
     return _check("8b", name, abs(accuracy["difference_points"]), "<=", 1.5, detail)
 
 

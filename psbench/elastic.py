@@ -12,7 +12,7 @@
   other wait for data (a stall) counts; the figure with the end's wait counted too is beside it.
 * accuracy: a mnist1d-cnn job (``psbench.config.ElasticJob``: the same examples in every run,
   Adam at half the task's learning rate, which 4 async workers need to train stably) trained by
-  4 static and by 4 dynamic workers, 3 runs each with seeds 0, 1, 2 (a run of each setup per
+  4 static and by 4 dynamic workers, 5 runs each with seeds 0 to 4 (a run of each setup per
   seed: the same initial weights and epoch orders), the final model's test accuracy evaluated
   on the shards' weights. Every run's workers hold step 1 until all of them have joined
   (``psworker --min-workers``), so that both setups train side by side from the first step.
@@ -30,11 +30,12 @@
 Every run has shards of its own, started before the clock starts: a job's data queue, once
 done, stays done. All processes share this machine's cores.
 
-How long, on 2 cores: 3.5-5 minutes (135 s with a load average of 1-4 from other work, 166 s
-at 5-6; 7 minutes at 15, before the emulated runs; 578 s on a machine 2-3x slower than usual):
-the throughput pairs 1-2 minutes (10 runs of 2 workers, 5-9 s of training each, with
-start-ups), the 9 mnist1d-cnn jobs 1-2 (4-8 s of training each), the 4 emulated ones about 1
-(the 4-worker job at about twice the CPU-bound one's time, the 2-worker job at four times).
+How long, on 2 cores: 5-8 minutes (with 3 runs of each setup: 135 s with a load average of 1-4
+from other work, 166 s at 5-6; 7 minutes at 15, before the emulated runs; 433-578 s on a
+machine 2-3x slower than usual): the throughput pairs 1-2 minutes (10 runs of 2 workers, 5-9 s
+of training each, with start-ups), the 15 mnist1d-cnn jobs 2-4 (4-8 s of training each), the 4
+emulated ones about 1-2 (the 4-worker job at about twice the CPU-bound one's time, the 2-worker
+job at four times).
 ``--quick`` (1 pair of short runs; 2 static, 2 dynamic and 1 dynamic worker on a 100-step job,
 and the emulated 2 and 1): about a minute.
 """
@@ -290,6 +291,10 @@ def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 6
         "dynamic": spread([r.test_accuracy for r in dynamic]),
     }
     accuracy["difference_points"] = 100 * (accuracy["dynamic"]["mean"] - accuracy["static"]["mean"])
+    # How far apart two means of this many runs fall by chance alone: from the runs' own spread.
+    accuracy["difference_stderr_points"] = (
+        100 * math.sqrt((accuracy["dynamic"]["std"] ** 2 + accuracy["static"]["std"] ** 2) / job.runs)
+        if job.runs > 1 else None)
     common = {"task": "mnist1d-cnn", "shards": job.shards, "job_steps": job.steps,
               "batch_size": CNN_DEFAULTS.batch_size, "lr": job.lr, "runs": job.runs}
     return {

@@ -208,7 +208,9 @@ def _elastic(elastic: dict) -> list[str]:
         rows.append([f"{accuracy['task']} test accuracy, {accuracy['shards']} shard x {accuracy['workers']} workers, "
                      f"{accuracy['job_steps']}-step job, {accuracy['runs']} run(s): mean +- std (min-max)",
                      side(accuracy["static"]), side(accuracy["dynamic"]),
-                     f"{accuracy['difference_points']:+.2f} points"])
+                     f"{accuracy['difference_points']:+.2f} points"
+                     + (f" (+- {accuracy['difference_stderr_points']:.2f})"
+                        if accuracy.get("difference_stderr_points") is not None else "")])
     scaling = elastic.get("scaling")
     if scaling:
         rows.append([f"  job time, first step to last, {scaling['workers']} workers (medians)",

@@ -38,6 +38,8 @@ def _plausible(path: str, n: float) -> bool:
     leaf = path.rsplit(".", 1)[-1]
     if leaf == "difference_points":
         return math.isfinite(n)
+    if leaf == "difference_stderr_points":  # 0 when every run of both setups reached the same accuracy
+        return math.isfinite(n) and n >= 0
     if leaf == "seed":  # a name, not a figure
         return n >= 0
     if leaf == "external_cores":  # the load of other processes: none on a quiet machine
@@ -207,7 +209,8 @@ def test_elastic_checks(ratio, difference, scaling, passed):
                        "static_samples_per_second": 6400.0, "dynamic_samples_per_second": 6400.0 * ratio,
                        "dynamic_reps_with_end_wait": [90.0], "ratio_with_end_wait": 0.9 * ratio},
         "accuracy": {"task": "mnist1d-cnn", "shards": 1, "workers": 4, "job_steps": 2400, "runs": 3,
-                     "static": side, "dynamic": side, "difference_points": difference},
+                     "static": side, "dynamic": side, "difference_points": difference,
+                     "difference_stderr_points": 0.82},
         "scaling": {"workers": 4, "fewer": 2, "job_steps": 2400, "seconds": 10.0 * scaling, "fewer_seconds": 10.0,
                     "ratio": scaling, "wall_ratio": 1.1, "static_seconds": 11.0},
         "emulated": {"workers": 4, "fewer": 2, "job_steps": 2400, "slowdown": 4.0, "seconds": 20.0 * scaling,
@@ -219,5 +222,6 @@ def test_elastic_checks(ratio, difference, scaling, passed):
     assert checks["8b"].value == abs(difference) and checks["8c"].comparison == "<"
     assert "4 dynamic vs 4 static" in checks["8b"].name and "4 dynamic workers < 1 x 2" in checks["8c"].name
     table = "\n".join(_elastic(elastic))
-    assert f"{difference:+.2f} points" in table and "4 / 2 =" in table and "emulated accelerators" in table
+    assert f"{difference:+.2f} points (+- 0.82)" in table and "4 / 2 =" in table and "emulated accelerators" in table
+    assert "standard error of the difference 0.82 points" in checks["8b"].detail
     assert all(c.passed is None for c in compute_checks({}) if c.id.startswith("8"))
