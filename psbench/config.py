@@ -89,6 +89,7 @@ class BenchConfig:
         widths = _ints(self.widths, "--widths") if self.widths else ((100,) if quick else (100, 1024, 2048))
         sizes = tuple(sorted(_ints(self.sizes, "--sizes") if self.sizes else ((1, 4) if quick else (4, 64, 256))))
         narrowest = training_case(min(widths), quick=quick)
+        elastic_job = QUICK_ELASTIC_JOB if quick else ELASTIC_JOB
         return Plan(
             sections=tuple(s for s in SECTIONS if s in wanted),
             quick=quick,
@@ -118,7 +119,7 @@ class BenchConfig:
             elastic_training=replace(narrowest,
                                      worker_steps=round(narrowest.worker_steps * (1 if quick else METRICS_RUN_FACTOR))),
             elastic_reps=self.reps or (1 if quick else 5),
-            elastic_job=replace(QUICK_ELASTIC_JOB if quick else ELASTIC_JOB, runs=self.reps or (1 if quick else ELASTIC_JOB.runs)),
+            elastic_job=replace(elastic_job, runs=self.reps or elastic_job.runs),
             sparse=replace(QUICK_SPARSE if quick else SPARSE, step_reps=self.reps or (1 if quick else 5),
                            dlrm_reps=self.reps or (1 if quick else 3)),
             scale=replace(QUICK_SCALE if quick else SCALE, reps=self.reps or (1 if quick else SCALE.reps)),
