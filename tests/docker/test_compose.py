@@ -140,7 +140,7 @@ def cluster(engine, built):
 def _accuracy(results: list[dict], count: int) -> float:
     assert len(results) == count, results
     accuracies = [r["test_accuracy"] for r in results]
-    assert min(accuracies) >= ACCURACY, accuracies
+    assert min(accuracies) >= ACCURACY, json.dumps(results, indent=1)
     return min(accuracies)
 
 
