@@ -51,8 +51,8 @@ class BenchConfig:
     only: str = _f("", "Run only these sections, comma-separated, of: " + ", ".join(SECTIONS)
                    + ". goodput and latency bring baselines along (their ratios need it).")
     reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 5 for transfers "
-                          "and for metrics' and elastic's throughput pairs and sparse's step passes, 3 for training, for "
-                          "elastic's mnist1d-cnn jobs, for sparse's dlrm-synth pairs and for scale's passes over "
+                          "and for metrics' and elastic's throughput pairs, sparse's step passes and elastic's mnist1d-cnn "
+                          "jobs, 3 for training, for sparse's dlrm-synth pairs and for scale's passes over "
                           "the worker counts; --quick: 2 for transfers, else 1).")
     sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4). "
                     "tls measures the one nearest 64.")

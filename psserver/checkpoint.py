@@ -40,6 +40,7 @@ from safetensors import SafetensorError, TensorSpec, deserialize, serialize
 
 from pswire.dtypes import dtype_from_safetensors, dtype_of
 from pswire.errors import InvalidArgumentError, PSError
+from pswire.files import write_atomically
 
 __all__ = ["CheckpointError", "CheckpointStore", "JobEndedError", "ShardPart"]
 
@@ -92,18 +93,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    # A unique temp name: another process may be writing the same file in the same directory.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def _write_durably(path: Path, data: bytes) -> None:
+    """``path`` replaced whole (pswire.files), and the rename itself made durable."""
+    write_atomically(path, data)
     _fsync_dir(path.parent)
 
 
@@ -234,20 +226,20 @@ class CheckpointStore:
                 _fsync_dir(pdir)
             try:
                 self._failpoint("before_tensors")
-                _write_atomic(pdir / TENSORS, tensors)
+                _write_durably(pdir / TENSORS, tensors)
                 self._failpoint("tensors_written")
                 del tensors
                 for k, arrays in pieces.items():  # one piece's bytes at a time
                     self._failpoint("before_piece")
                     data = _encode(arrays)
                     files[_piece_file(k)] = _entry(data)
-                    _write_atomic(pdir / _piece_file(k), data)
+                    _write_durably(pdir / _piece_file(k), data)
                     del data
                     self._failpoint("piece_written")
                 manifest = json.dumps(_manifest(checkpoint_id, shard_index, num_shards, files), sort_keys=True)
                 for phase, name, blob in (("metadata", METADATA, meta), ("manifest", MANIFEST, manifest.encode())):
                     self._failpoint(f"before_{phase}")
-                    _write_atomic(pdir / name, blob)
+                    _write_durably(pdir / name, blob)
                     self._failpoint(f"{phase}_written")
             except FileNotFoundError as exc:
                 if pdir.is_dir():
@@ -370,7 +362,7 @@ class CheckpointStore:
             after = max([*self._scan(), pointer[0] if pointer else 0, 0])
             previous = self.ended()
             if previous is None or previous["after"] < after:
-                _write_atomic(self.root / ENDED, json.dumps({"after": after, "job": job}).encode())
+                _write_durably(self.root / ENDED, json.dumps({"after": after, "job": job}).encode())
             return max(after, previous["after"] if previous else 0)
         finally:
             os.close(fd)
@@ -534,7 +526,7 @@ class CheckpointStore:
             # Re-check cheaply too: a concurrent prune may have removed it since it was verified.
             if committed and (pointer is None or pointer[0] < cid) and self._complete(cid, n):
                 self._failpoint("before_pointer")
-                _write_atomic(self.root / LATEST, json.dumps({"id": cid, "num_shards": n}).encode())
+                _write_durably(self.root / LATEST, json.dumps({"id": cid, "num_shards": n}).encode())
                 self._failpoint("pointer_written")
                 pointer = (cid, n)
             self._prune(n, just_written=cid, pinned=pointer[0] if pointer else None)

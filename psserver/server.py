@@ -6,9 +6,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
-import os
 import socket
-import tempfile
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pswire.files import write_atomically
 from pswire.security import ServerTLS
 from psserver.auth import Admission, TokenAuth, load_token_file
 from psserver.lanecalls import lane_calls
@@ -230,7 +229,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     if config.port_file:
-        _write_atomically(config.port_file, f"{port}\n")
+        write_atomically(config.port_file, f"{port}\n")
     log.info("psserver listening on %s%s (%s; %s; at once: %d data calls, %d status calls, %d threads)", address,
              f", bulk lanes on port {lanes.port}" if lanes else "",
              ("mutual TLS" if tls.mutual else "TLS") if tls is not None else "plaintext",
@@ -340,11 +339,3 @@ def exposure_warnings(host: str, port: int, bulk_port: int | None, *, tls: bool,
                    f"{' with a client certificate' if mutual else ''} may register, push, pull, read the model "
                    "and write checkpoints (give --auth-token-file)")
     return out
-
-
-def _write_atomically(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".port-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -38,32 +38,32 @@ cluster stops.
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pswire.flags import add_version, values_from
 from pswire.security import TOKEN_ENV, ClientSecurity, make_dev_pki, read_token, write_token_files
+from psworker.children import Action, Child, ChildProcess, Recovery, decide_exit
 from psworker.config import WorkerConfig, build_parser
+from psworker.sdfile import MetricsTargets
 
 if TYPE_CHECKING:
     from psserver.config import ServerConfig
     from pswire.v1 import ps_pb2
     from psworker.client import ClientOptions
 
-__all__ = ["Action", "data_summary", "decide_exit", "main"]
+__all__ = ["data_summary", "main"]
 
 log = logging.getLogger("pscluster")
 
@@ -78,145 +78,6 @@ _TLS_WORKER_FLAGS = {"--tls-ca", "--tls-cert", "--tls-key"}
 _TLS_SHARD_FLAGS = {"--tls-cert", "--tls-key", "--tls-client-ca"}
 # The marker of a run directory of pscluster --ray (psworker.ray): it may be given again.
 RAY_RUN_MARK = ".psgrpc-run-dir"
-# What a shard or worker logs once its metrics endpoint is up (docs/metrics.md).
-_METRICS_LINE = re.compile(r"\bmetrics on http://(\S+?)/metrics\b")
-
-
-def result_line(line: str) -> dict | None:
-    """A child's result, when ``line`` of its stdout is one: a JSON object."""
-    if not line.startswith("{"):
-        return None
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-class _Proc:
-    """One run of a child process whose output lines are relayed with a prefix; the last line of
-    stdout that parses as JSON is kept as its result, and the first line that matches ``ready``
-    (with the time it came) as its sign of readiness."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: re.Pattern | None = None,
-                 on_metrics: Callable[[str], None] | None = None, log_file: Path | None = None) -> None:
-        self.name = name
-        # Every line, as the child wrote it, also to ``log_file`` (appended: a restart adds to it).
-        self._log = open(log_file, "a", buffering=1) if log_file is not None else None
-        self.result: dict | None = None
-        self.ready = ready
-        self.on_metrics = on_metrics
-        """Called (from a relay thread) with the ``HOST:PORT`` of the child's metrics endpoint."""
-        self.ready_match: re.Match | None = None
-        self.ready_at: float | None = None
-        self.popen = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True,  # Ctrl-C reaches pscluster only; it stops children in order
-        )
-        log.info("started %s, pid %d", name, self.popen.pid)
-        self._threads = [
-            threading.Thread(target=self._relay, args=(self.popen.stdout, True), daemon=True),
-            threading.Thread(target=self._relay, args=(self.popen.stderr, False), daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _relay(self, stream, is_stdout: bool) -> None:
-        for line in stream:
-            line = line.rstrip("\n")
-            if self._log is not None:
-                self._log.write(line + "\n")
-            if is_stdout and (result := result_line(line)) is not None:
-                self.result = result
-                continue
-            if self.ready is not None and self.ready_match is None:
-                match = self.ready.search(line)
-                if match:
-                    self.ready_at, self.ready_match = time.monotonic(), match
-            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
-            if self.on_metrics is not None and (match := _METRICS_LINE.search(line)):
-                self.on_metrics(match[1])
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout)
-                self.popen.kill()
-                self.popen.wait(timeout=timeout)
-
-    def join_output(self, timeout: float = 10.0) -> None:
-        for t in self._threads:
-            t.join(timeout=timeout)
-        if self._log is not None and not any(t.is_alive() for t in self._threads):
-            self._log.close()
-
-
-class Action(enum.Enum):
-    DONE = "done"
-    RESTART = "restart"
-    FAIL = "fail"
-
-
-def exit_reason(returncode: int) -> str:
-    """``exit status 1``, or ``exit status -9 (killed by SIGKILL)`` for a signal."""
-    if returncode < 0:
-        try:
-            return f"exit status {returncode} (killed by {signal.Signals(-returncode).name})"
-        except ValueError:
-            return f"exit status {returncode} (killed by signal {-returncode})"
-    return f"exit status {returncode}"
-
-
-def decide_exit(
-    role: str, returncode: int, restarts: int, *, restart: bool, max_restarts: int
-) -> tuple[Action, str]:
-    """What to do about a child that exited while the job runs, and why: a worker that exits 0
-    has finished; any other exit of a worker, and any exit of a shard, is a death, answered by
-    a restart while ``restart`` is on and the child has had fewer than ``max_restarts``."""
-    how = exit_reason(returncode)
-    if role == "worker" and returncode == 0:
-        return Action.DONE, "finished"
-    if not restart:
-        return Action.FAIL, how
-    if restarts >= max_restarts:
-        return Action.FAIL, f"{how} after {restarts} restart(s) (--max-restarts {max_restarts})"
-    return Action.RESTART, how
-
-
-@dataclass
-class _Recovery:
-    """One restart, from the death of a child to its replacement being back at work."""
-
-    process: str
-    reason: str
-    pid: int
-    new_pid: int
-    died_at: float
-    recovered_seconds: float | None = None
-    resumed_at_step: int | None = None
-
-    def record(self) -> dict:
-        out = {"process": self.process, "reason": self.reason, "pid": self.pid, "new_pid": self.new_pid,
-               "recovered_seconds": self.recovered_seconds}
-        if self.resumed_at_step is not None:
-            out["resumed_at_step"] = self.resumed_at_step
-        return out
-
-
-@dataclass
-class _Child:
-    """A shard or worker slot of the cluster: its current process and its restart history."""
-
-    name: str
-    role: str  # "shard" or "worker"
-    index: int
-    proc: _Proc
-    restarts: int = 0
-    finished: bool = False
-    recovering: _Recovery | None = None
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -415,76 +276,6 @@ def _metrics_flags(args: argparse.Namespace) -> list[str]:
     return ["--metrics-port", "0"] if args.metrics else []
 
 
-def sd_target(address: str) -> str:
-    """The scrape target of a metrics endpoint reported as ``HOST:PORT``: an endpoint on every
-    interface is scraped on loopback."""
-    host, _, port = address.rpartition(":")
-    host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "": "127.0.0.1"}.get(host, host)
-    return f"{host}:{port}"
-
-
-def sd_groups(shards: Sequence[str], workers: Sequence[str]) -> list[dict]:
-    """The target groups of a Prometheus file-based service discovery file (docs/metrics.md)."""
-    return [{"targets": list(shards), "labels": {"job": "psserver"}},
-            {"targets": list(workers), "labels": {"job": "psworker"}}]
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename: a reader (Prometheus) sees the old file or
-    the new one, never part of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class _MetricsTargets:
-    """The metrics address every child last reported, and the service discovery file kept from
-    them (when asked for one)."""
-
-    def __init__(self, sd_file: Path | None, shards: int, workers: int) -> None:
-        """Writes ``sd_file``, listing no targets yet."""
-        self.sd_file = sd_file
-        self._lock = threading.Lock()  # guards _addresses and the file's writes, from the relay threads
-        self._addresses: dict[tuple[str, int], str] = {}
-        """(role, index) -> HOST:PORT."""
-        self._counts = {"shard": shards, "worker": workers}
-        self._closed = False
-        if sd_file is not None:
-            self._write()
-
-    def reported(self, name: str, role: str, index: int, address: str) -> None:
-        target = sd_target(address)
-        with self._lock:
-            if self._closed or self._addresses.get((role, index)) == target:
-                return
-            self._counts[role] = max(self._counts[role], index + 1)  # workers added while it runs
-            self._addresses[role, index] = target
-            log.info("%s metrics on http://%s/metrics", name, target)
-            if self.sd_file is not None:
-                self._write()
-
-    def _write(self) -> None:
-        # Caller holds _lock (or is the constructor).
-        assert self.sd_file is not None
-        lists = {role: [self._addresses[role, i] for i in range(n) if (role, i) in self._addresses]
-                 for role, n in self._counts.items()}
-        try:
-            write_atomically(self.sd_file, json.dumps(sd_groups(lists["shard"], lists["worker"]), indent=2) + "\n")
-        except OSError as exc:
-            log.error("cannot write the service discovery file %s: %s", self.sd_file, exc)
-
-    def clear(self) -> None:
-        """List no targets any more: the cluster has stopped."""
-        with self._lock:
-            self._closed = True
-            self._addresses.clear()
-            if self.sd_file is not None:
-                self._write()
-                log.info("emptied the metrics service discovery file %s", self.sd_file)
-
 
 @dataclass
 class _Credentials:
@@ -523,7 +314,7 @@ def _credentials(args: argparse.Namespace, run_dir: Path, hosts: Sequence[str] =
 
 
 def _wait_ports(
-    shards: list[_Child], files: list[Path], timeout: float, interrupted: threading.Event
+    shards: list[Child], files: list[Path], timeout: float, interrupted: threading.Event
 ) -> list[int]:
     deadline = time.monotonic() + timeout
     while not interrupted.is_set():
@@ -550,17 +341,17 @@ class _Cluster:
         self.threads = max(1, (os.cpu_count() or 1) // args.workers)
         self.port_files = [run_dir / f"shard-{i}.port" for i in range(args.shards)]
         self.ports: list[int] = [0] * args.shards
-        self.shards: list[_Child] = []
-        self.workers: list[_Child] = []
-        self.recoveries: list[_Recovery] = []
+        self.shards: list[Child] = []
+        self.workers: list[Child] = []
+        self.recoveries: list[Recovery] = []
         self.ps = ""
-        self.metrics: _MetricsTargets | None = None
+        self.metrics: MetricsTargets | None = None
         if args.metrics:
             sd_file = Path(args.metrics_sd_file).resolve() if args.metrics_sd_file else None
-            self.metrics = _MetricsTargets(sd_file, args.shards, args.workers)
+            self.metrics = MetricsTargets(sd_file, args.shards, args.workers)
 
     @property
-    def children(self) -> list[_Child]:
+    def children(self) -> list[Child]:
         return self.shards + self.workers
 
     def _shard_argv(self, i: int, restore: bool) -> list[str]:
@@ -575,26 +366,26 @@ class _Cluster:
                 *self.credentials.worker_args, *_metrics_flags(self.args), *self.worker_args]
 
     def _proc(self, role: str, index: int, argv: list[str], env: dict[str, str],
-              ready: re.Pattern | None = None) -> _Proc:
+              ready: re.Pattern | None = None) -> ChildProcess:
         name = f"{role}{index}"
         targets = self.metrics
         on_metrics = (lambda address: targets.reported(name, role, index, address)) if targets is not None else None
         logs = self.run_dir / "logs" if self.args.run_dir is not None else None
         if logs is not None:
             logs.mkdir(exist_ok=True)
-        return _Proc(name, argv, env, ready, on_metrics, logs / f"{name}.log" if logs is not None else None)
+        return ChildProcess(name, argv, env, ready, on_metrics, logs / f"{name}.log" if logs is not None else None)
 
     def start(self, interrupted: threading.Event) -> None:
         if self.args.restart:
             log.info("--restart: shards checkpoint to %s; a shard that dies restarts from there",
                      self.checkpoint_dir)
-        self.shards = [_Child(f"shard{i}", "shard", i, self._proc("shard", i, self._shard_argv(i, False), self.env))
+        self.shards = [Child(f"shard{i}", "shard", i, self._proc("shard", i, self._shard_argv(i, False), self.env))
                        for i in range(self.args.shards)]
         self.ports = _wait_ports(self.shards, self.port_files, self.args.start_timeout, interrupted)
         self.ps = ",".join(f"{self.args.host}:{p}" for p in self.ports)
         log.info("%d shard(s) listening: %s", self.args.shards, self.ps)
         self.workers = [
-            _Child(f"worker{i}", "worker", i,
+            Child(f"worker{i}", "worker", i,
                    self._proc("worker", i, self._worker_argv(i), self.worker_env, _WORKER_STARTED))
             for i in range(self.args.workers)
         ]
@@ -603,7 +394,7 @@ class _Cluster:
         # LATEST is the checkpoint store's commit point: it exists once a checkpoint is complete.
         return self.checkpoint_dir is not None and (self.checkpoint_dir / "LATEST").exists()
 
-    def _restart(self, child: _Child, reason: str, died_at: float) -> None:
+    def _restart(self, child: Child, reason: str, died_at: float) -> None:
         child.restarts += 1
         old_pid = child.proc.popen.pid
         child.proc.join_output(timeout=2.0)  # the dead process's last lines come first
@@ -625,10 +416,10 @@ class _Cluster:
                         self.args.max_restarts, how)
             child.proc = self._proc("worker", child.index, self._worker_argv(child.index), self.worker_env,
                                     _WORKER_STARTED)
-        child.recovering = _Recovery(child.name, reason, old_pid, child.proc.popen.pid, died_at)
+        child.recovering = Recovery(child.name, reason, old_pid, child.proc.popen.pid, died_at)
         self.recoveries.append(child.recovering)
 
-    def _check_recovered(self, child: _Child, now: float) -> None:
+    def _check_recovered(self, child: Child, now: float) -> None:
         recovery = child.recovering
         if recovery is None:
             return

@@ -51,10 +51,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psworker.cluster import (
-    _METRICS_LINE, RAY_RUN_MARK, _credentials, _metrics_flags, _MetricsTargets, _shard_config, exit_reason,
-    final_summary, result_line, write_atomically,
-)
+from pswire.files import write_atomically
+from psworker.children import METRICS_LINE, exit_reason, result_line
+from psworker.cluster import RAY_RUN_MARK, _credentials, _metrics_flags, _shard_config, final_summary
+from psworker.sdfile import MetricsTargets
 
 __all__ = ["ShardActor", "WorkerActor", "run", "run_on_ray", "set_workers", "set_workers_cli", "worker_options"]
 
@@ -100,7 +100,7 @@ class _Child:
                 self.result = result
                 continue
             self.tail.append(line)
-            if match := _METRICS_LINE.search(line):
+            if match := METRICS_LINE.search(line):
                 self.metrics = match[1]
             if match := _RESTORED.search(line):
                 self.restored = int(match[1])
@@ -347,7 +347,7 @@ class _RayJob:
         self.credentials = _credentials(args, self.run_dir, hosts)
         if args.metrics:
             sd_file = Path(args.metrics_sd_file).resolve() if args.metrics_sd_file else None
-            self.metrics = _MetricsTargets(sd_file, args.shards, args.workers)
+            self.metrics = MetricsTargets(sd_file, args.shards, args.workers)
         try:
             # On the driver's own node: it lives as long as the driver does, whatever node goes.
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

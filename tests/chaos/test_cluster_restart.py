@@ -17,7 +17,7 @@ import time
 import pytest
 
 from psworker.client import ClientOptions, PSClient
-from psworker.cluster import Action, decide_exit
+from psworker.children import Action, decide_exit
 from tests.conftest import ROOT, child_env, pid_alive
 
 STEPS = 800

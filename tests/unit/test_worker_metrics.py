@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from pswire import errors
-from psworker import cluster
+from psworker import children, cluster, sdfile
 from psworker.client import _phases
 from psworker.config import parse_args
 from psworker.metrics import PHASES, WorkerMetrics, metrics_url, serve
@@ -183,7 +183,8 @@ def test_metrics_flag_errors(argv, message, capsys):
 
 
 def test_metrics_off_loads_no_prometheus_client():
-    code = ("import sys, psworker, psworker.main, psworker.training, psworker.client, psworker.cluster\n"
+    code = ("import sys, psworker, psworker.main, psworker.training, psworker.client, psworker.cluster, "
+            "psworker.children, psworker.sdfile\n"
             "print(sorted(m for m in sys.modules if m.startswith('prometheus_client')))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -194,17 +195,17 @@ def test_metrics_off_loads_no_prometheus_client():
 
 def test_children_metrics_lines_give_scrape_targets():
     line = "2026-01-01 00:00:00,000 INFO psserver[7] psserver.server: metrics on http://127.0.0.1:9100/metrics"
-    assert cluster._METRICS_LINE.search(line)[1] == "127.0.0.1:9100"
-    assert cluster._METRICS_LINE.search("metrics on http://[::1]:9/metrics")[1] == "[::1]:9"
-    assert cluster.sd_target("0.0.0.0:9100") == "127.0.0.1:9100"  # served on every interface
-    assert cluster.sd_target("[::]:9100") == "[::1]:9100"
-    assert cluster.sd_target("10.0.0.2:9100") == "10.0.0.2:9100"
+    assert children.METRICS_LINE.search(line)[1] == "127.0.0.1:9100"
+    assert children.METRICS_LINE.search("metrics on http://[::1]:9/metrics")[1] == "[::1]:9"
+    assert sdfile.sd_target("0.0.0.0:9100") == "127.0.0.1:9100"  # served on every interface
+    assert sdfile.sd_target("[::]:9100") == "[::1]:9100"
+    assert sdfile.sd_target("10.0.0.2:9100") == "10.0.0.2:9100"
 
 
 def test_the_discovery_file_lists_the_latest_address_of_every_child_and_is_emptied(tmp_path):
     path = tmp_path / "sd.json"
-    targets = cluster._MetricsTargets(path, shards=2, workers=1)
-    assert json.loads(path.read_text()) == cluster.sd_groups([], [])
+    targets = sdfile.MetricsTargets(path, shards=2, workers=1)
+    assert json.loads(path.read_text()) == sdfile.sd_groups([], [])
     targets.reported("shard1", "shard", 1, "127.0.0.1:2")
     targets.reported("worker0", "worker", 0, "0.0.0.0:3")
     targets.reported("shard0", "shard", 0, "127.0.0.1:1")
@@ -217,7 +218,7 @@ def test_the_discovery_file_lists_the_latest_address_of_every_child_and_is_empti
     assert [p.name for p in tmp_path.iterdir()] == ["sd.json"]  # no temporary file left behind
     targets.clear()
     targets.reported("shard0", "shard", 0, "127.0.0.1:5")  # a late line after the stop changes nothing
-    assert json.loads(path.read_text()) == cluster.sd_groups([], [])
+    assert json.loads(path.read_text()) == sdfile.sd_groups([], [])
 
 
 def _cluster_args(*argv: str) -> argparse.Namespace:
