@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from psbench.stats import median
+from pswire.files import write_atomically
 
 __all__ = ["render", "write_json"]
 
@@ -371,13 +371,5 @@ def write_json(doc: dict, path: str | os.PathLike) -> Path:
     half a file. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomically(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
     return path

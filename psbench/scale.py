@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import numpy as np
 from psbench.config import ScaleBench
 from psbench.procs import Child, Children
 from psbench.stats import median, percentile
+from pswire.files import write_atomically
 
 __all__ = ["CONTROL_POLL_SECONDS", "PassFigures", "WorkerWindow", "cost_fits", "linear_fit", "machine_busy_seconds",
            "main", "measure_scale", "point_figures", "predict", "predicted_exchange", "window_figures",
@@ -97,10 +97,7 @@ def _read_control(path: Path) -> dict | None:
 
 def write_control(path: Path, control: dict) -> None:
     """Replace the control file atomically: a worker never reads half of it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(control, f)
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(control))
 
 
 def _step_window(client, grads: dict, dest: dict, compute: float, start: float, end: float) -> WorkerWindow:

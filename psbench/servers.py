@@ -18,10 +18,11 @@ import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
+
+from pswire.files import write_atomically
 
 __all__ = ["ECHO", "GRPC_SERVICE", "SINK", "SOURCE", "TCP_ACK", "TCP_HEADER", "main"]
 
@@ -121,11 +122,7 @@ def serve_grpc(host: str, port: int, ready, chunk_bytes: int) -> None:
 
 def _port_writer(path: str):
     def ready(port: int) -> None:
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".port-")
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{port}\n")
-        os.replace(tmp, path)
+        write_atomically(path, f"{port}\n")
 
     return ready
 

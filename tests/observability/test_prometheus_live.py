@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from psworker.children import METRICS_LINE
 from tests.conftest import ROOT, child_env, run_cli, start_shard, terminate
 from tests.observability.prom import (
     Prometheus, config, dashboard_query_list, file_sd_job_config, loaded_alert_queries, tool, wait_for, without_data,
@@ -35,8 +36,6 @@ from tests.observability.prom import (
 from tests.observability.promql import ALERTS, contract_metrics, load_dashboard, metric_names, substitute, variable_queries
 
 pytestmark = [pytest.mark.integration]
-
-_METRICS_LINE = re.compile(r"\bmetrics on http://(\S+?)/metrics\b")
 
 
 @pytest.fixture
@@ -107,7 +106,7 @@ class Worker:
 def metrics_address(log, popen: subprocess.Popen, what: str, timeout: float = 60.0) -> str:
     """The ``HOST:PORT`` a process logged as its metrics endpoint."""
     def found():
-        match = _METRICS_LINE.search(log())
+        match = METRICS_LINE.search(log())
         if match is None and popen.poll() is not None:
             raise AssertionError(f"{what} exited with {popen.returncode}:\n{log()[-3000:]}")
         return match.group(1) if match else None
