@@ -328,7 +328,8 @@ def admit(kind: CallClass, in_flight: int, caps: AdmissionCaps) -> str | None:
 class Admission(grpc.ServerInterceptor):
     """Counts the calls of each capped class from the moment a handler thread starts one until
     its handler returns (for a streamed response: until the stream ends, is cancelled, or fails),
-    and refuses a call beyond its class's cap at once, before reading its request stream."""
+    and refuses a call beyond its class's cap at once, before reading its request stream. A call
+    whose caller is already gone when a thread takes it is ended at once, uncounted."""
 
     def __init__(self, caps: AdmissionCaps) -> None:
         self.caps = caps
@@ -365,6 +366,11 @@ class Admission(grpc.ServerInterceptor):
         return handler._replace(unary_unary=self._unary(kind, handler.unary_unary))
 
     def _enter(self, kind: CallClass, context: grpc.ServicerContext) -> None:
+        if not context.is_active():
+            # The caller gave up (cancelled, or its deadline passed) while the call waited for a
+            # handler thread, as calls do behind an overload: serving it would only hold a slot
+            # and delay the calls that are still wanted.
+            context.abort(grpc.StatusCode.CANCELLED, "the caller gave up before a handler thread took the call")
         with self._lock:
             refusal = admit(kind, self._in_flight[kind], self.caps)
             if refusal is None:

@@ -241,7 +241,9 @@ def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ra
     # The lost worker's task went back to the queue and was trained by the others.
     assert summary["data"]["tasks_requeued"] >= 1, summary["data"]
     assert [r["process"] for r in summary["restarts"]] == [runs_on], summary["restarts"]
-    assert summary["test_accuracy"] >= 0.88, summary
+    # Four async workers (three after the loss) train this task to 0.83-0.93 from seed to seed
+    # beside CI's load (docs/benchmarks.md, check 8b), below the two-worker jobs' 0.88 bar.
+    assert summary["test_accuracy"] >= 0.80, summary
     # Mutual TLS across the nodes: a certificate naming every node's address, from the run directory.
     assert "TLS is off" not in job.log()
 

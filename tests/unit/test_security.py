@@ -161,9 +161,13 @@ class _Aborted(Exception):
 
 
 class _Context:
-    def __init__(self):
+    def __init__(self, active: bool = True):
         self.trailing = None
         self.code = None
+        self.active = active
+
+    def is_active(self):
+        return self.active
 
     def set_trailing_metadata(self, md):
         self.trailing = md
@@ -361,3 +365,22 @@ def test_the_default_checkpoint_id_is_the_clock_in_seconds_or_past_the_newest():
     assert default_checkpoint_id(1_700_000_000.7, []) == 1_700_000_000
     assert default_checkpoint_id(1_700_000_000.7, [0, 5]) == 1_700_000_000
     assert default_checkpoint_id(1_700_000_000.7, [1_700_000_000, 3]) == 1_700_000_001
+
+
+def test_a_call_whose_caller_is_gone_is_not_served_and_takes_no_slot():
+    admission = Admission(AdmissionCaps(data=1, status=1))
+    served = []
+
+    def pull(request, context):
+        served.append(request)
+        return request
+
+    handler = admission.intercept_service(lambda d: grpc.unary_unary_rpc_method_handler(pull),
+                                          _Details(SERVICE + "PullInline"))
+    gone = _Context(active=False)  # its deadline passed while it waited behind an overload
+    with pytest.raises(_Aborted, match="gave up"):
+        handler.unary_unary("late", gone)
+    assert gone.code is grpc.StatusCode.CANCELLED and served == []
+    assert admission.in_flight()[CallClass.DATA] == 0
+    assert handler.unary_unary("wanted", _Context()) == "wanted" and served == ["wanted"]
+    assert admission.in_flight()[CallClass.DATA] == 0
