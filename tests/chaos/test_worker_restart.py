@@ -50,7 +50,7 @@ def _victim(ps: str) -> list:
 
 
 def test_killed_worker_restarted_resumes_its_data_position(shards):
-    a, b = shards(2)
+    a, b = shards(2, "--lease-timeout", "10")  # the restarted victim waits for its dead registration's lease
     ps = f"{a.address},{b.address}"
     victim, other = _worker(ps, 0), _worker(ps, 1)
     try:

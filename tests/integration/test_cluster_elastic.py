@@ -89,7 +89,7 @@ def test_a_killed_worker_is_restarted_and_the_job_still_trains_every_example_onc
     steps, batch = 2000, 100  # mnist1d-mlp's batch; about 20 s of training on two cores
     popen = subprocess.Popen(
         [sys.executable, "-m", "psworker.cluster", "--elastic", "--restart", "--shards", "1", "--workers", "2",
-         "--task", "mnist1d-mlp", "--steps", str(steps)],
+         "--task", "mnist1d-mlp", "--steps", str(steps), "--shard-arg=--lease-timeout=10"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT,
     )
     lines: list[str] = []
@@ -115,7 +115,7 @@ def test_a_killed_worker_is_restarted_and_the_job_still_trains_every_example_onc
             pause()
         pid = int(re.search(r"started worker0, pid (\d+)", "".join(lines))[1])
         os.kill(pid, signal.SIGKILL)
-        # The restarted worker waits for the dead one's lease to expire (30 s) before it re-registers.
+        # The restarted worker waits for the dead one's lease to expire (10 s here) before it re-registers.
         popen.wait(timeout=300)
     finally:
         if popen.poll() is None:

@@ -217,7 +217,8 @@ def _targets(path: Path) -> dict[str, list[str]]:
 def test_pscluster_service_discovery_file_lists_every_child_and_follows_a_restart(tmp_path):
     sd_file = tmp_path / "targets.json"
     run = _Process("psworker.cluster", "--restart", "--shards", "2", "--workers", "2", "--task", "linreg",
-                   "--steps", "100000", "--metrics-sd-file", str(sd_file))
+                   "--steps", "100000", "--metrics-sd-file", str(sd_file),
+                   "--shard-arg=--lease-timeout=10")  # the restarted worker waits for the dead one's lease
     try:
         def listed(n_shards: int = 2, n_workers: int = 2):
             t = _targets(sd_file)
