@@ -27,7 +27,7 @@ from pswire.optim import OptimizerConfig
 from pswire.tables import TableSpec
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from pswire.wire import rows_to_proto, table_to_proto
-from tests.conftest import start_shard
+from tests.conftest import start_shard, wait_until
 from tests.service.test_shard_service import GRADS, PARTS, initialize, push, register, register_request
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.integration]
@@ -247,7 +247,7 @@ def test_random_and_mutated_messages_never_break_a_shard(tmp_path):
         # Calls whose callers gave up may still hold data slots for a moment: an overloaded shard
         # says RESOURCE_EXHAUSTED, retry after a backoff, and it must serve again within seconds.
         stopped = time.monotonic()
-        after = _when_served(lambda: _model(stub))
+        after = wait_until(lambda: _unless_overloaded(lambda: _model(stub)), 60, shard.popen, "the model's pull")
         print(f"serving the model's pull again {time.monotonic() - stopped:.2f}s after the fuzzers stopped")
         assert after == model, "refused input changed the model"
         assert (tmp_path / "ckpt" / LATEST).read_bytes() == latest
@@ -256,7 +256,9 @@ def test_random_and_mutated_messages_never_break_a_shard(tmp_path):
 
         # Still serving: the real worker's push applies and its heartbeat answers.
         version = stub.Status(ps_pb2.StatusRequest(), timeout=RPC_TIMEOUT).version
-        assert _when_served(lambda: push(stub, worker, GRADS, base_version=version)).version == version + 1
+        pushed = wait_until(lambda: _unless_overloaded(lambda: push(stub, worker, GRADS, base_version=version)), 60,
+                            shard.popen, "the real worker's push")
+        assert pushed.version == version + 1
         stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=worker.worker_id, generation=worker.generation,
                                                session=worker.session), timeout=RPC_TIMEOUT)
     finally:
@@ -264,18 +266,14 @@ def test_random_and_mutated_messages_never_break_a_shard(tmp_path):
         shard.stop()
 
 
-def _when_served(call, seconds: float = 60.0):
-    """``call()``, retried with a backoff while the shard answers RESOURCE_EXHAUSTED, for up to
-    ``seconds``."""
-    deadline, backoff = time.monotonic() + seconds, 0.05
-    while True:
-        try:
-            return call()
-        except grpc.RpcError as exc:
-            if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() + backoff > deadline:
-                raise
-        threading.Event().wait(backoff)
-        backoff = min(2 * backoff, 1.0)
+def _unless_overloaded(call):
+    """``call()``'s reply, or None while the shard answers RESOURCE_EXHAUSTED (retry later)."""
+    try:
+        return call()
+    except grpc.RpcError as exc:
+        if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return None
 
 
 def _model(stub) -> dict[str, bytes]:
