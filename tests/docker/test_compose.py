@@ -222,7 +222,7 @@ def test_a_crashed_shard_restarts_restores_and_the_workers_finish(cluster):
 
 
 def test_a_paused_worker_is_evicted_and_rejoins_when_unpaused(cluster):
-    c = cluster(LEASE_TIMEOUT="5", PSWORKER_STEPS="12000")
+    c = cluster(LEASE_TIMEOUT="5")
     c.run(UP)
     c.wait(lambda: c.log_matches("worker", r"step \d+ loss"), 120, "training to start")
     paused = c.containers("worker")[0]
