@@ -13,7 +13,7 @@ from pswire.optim import OptimizerConfig
 from pswire.consistency import Consistency
 from pswire.tables import TableSpec
 from pswire.wire import MAX_COUNT, check_count
-from psserver.optimizers import magnitude
+from psserver.numerics import magnitude
 
 __all__ = ["MAX_COUNT", "Registration", "check_count", "check_finite", "check_parts", "check_tables", "check_same_job", "fmt_bytes"]
 
@@ -67,7 +67,7 @@ def check_parts(parts: Sequence[Part], max_bytes: int = 1 << 62, *, num_shards: 
 
 def check_finite(part: Part, value: np.ndarray, what: str) -> None:
     """Raises ``InvalidArgumentError`` if a floating-point ``value`` holds a NaN or an Inf (read
-    as a push's gradients are: ``psserver.optimizers.magnitude``)."""
+    as a push's gradients are: ``psserver.numerics.magnitude``)."""
     if part.dtype.is_floating_point and magnitude(value) is None:
         raise InvalidArgumentError(f"{what} for {part.key!r} contains NaN or Inf")
 

@@ -37,7 +37,8 @@ from psserver.job import Registration, check_count, check_finite
 from psserver.lifecycle import RESTORE_ID_GAP, Lifecycle
 from psserver.membership import Membership
 from psserver.groups import GROUP_PART_BYTES, SlotGroup, group_slots
-from psserver.optimizers import UpdateRule, magnitude
+from psserver.numerics import magnitude
+from psserver.optimizers import UpdateRule
 from psserver.reads import Reads
 from psserver.reports import Reports
 from psserver.state import (

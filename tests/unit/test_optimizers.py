@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psserver import optimizers
+from psserver import numerics, optimizers
 from psserver.optimizers import Adagrad, Adam, Sgd, UpdateRule, create_update_rule
 from pswire.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, INT64, DType, dtype_of
 from pswire.errors import InvalidArgumentError
@@ -340,9 +340,10 @@ def test_apply_rejects_bad_input_without_changing_anything(name, make):
     assert int(state["step"]) == 0
 
 
-def test_module_imports_no_grpc_or_torch_and_exports_what_it_lists():
+@pytest.mark.parametrize("module", [optimizers, numerics], ids=lambda m: m.__name__)
+def test_module_imports_no_grpc_or_torch_and_exports_what_it_lists(module):
     """The transport hands the rules arrays (no gRPC here), and a shard never imports torch."""
-    tree = ast.parse(inspect.getsource(optimizers))
+    tree = ast.parse(inspect.getsource(module))
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -350,8 +351,8 @@ def test_module_imports_no_grpc_or_torch_and_exports_what_it_lists():
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module or "")
     assert not any(name.split(".")[0] in ("grpc", "torch") for name in imported), imported
-    for name in optimizers.__all__:
-        assert hasattr(optimizers, name), name
+    for name in module.__all__:
+        assert hasattr(module, name), name
     assert issubclass(Sgd, UpdateRule)
 
 
@@ -720,7 +721,7 @@ def test_property_the_bound_verify_returns_holds_and_known_bounds_change_no_verd
     largest = None
     for _ in range(4):
         grad = _wide_values(rng, dtype, size, top - float(rng.integers(0, 24)), nonnegative=False)
-        grad_largest = optimizers.magnitude(grad)
+        grad_largest = numerics.magnitude(grad)
         assert (grad_largest is None) == (not np.isfinite(grad.astype(np.float64)).all())
         if grad_largest is None:
             continue  # a shard refuses it before verify
@@ -756,17 +757,17 @@ def test_a_large_array_is_updated_and_read_on_several_threads_exactly_as_on_one(
     grads = [(rng.standard_normal(size) * 2).astype(dtype.numpy) for _ in range(3)]
     results = []
     for threads, parallel in ((1, 1 << 21), (3, 64 * 5)):
-        monkeypatch.setattr(optimizers, "_THREADS", threads)
-        monkeypatch.setattr(optimizers, "PARALLEL_ELEMENTS", parallel)
-        monkeypatch.setattr(optimizers, "CHUNK_ELEMENTS", 64)  # magnitude's slices
-        assert len(optimizers._ranges(size, 64)) == threads
+        monkeypatch.setattr(numerics, "_THREADS", threads)
+        monkeypatch.setattr(numerics, "PARALLEL_ELEMENTS", parallel)
+        monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 64)  # magnitude's slices
+        assert len(numerics._ranges(size, 64)) == threads
         rule = create_update_rule(config, chunk_elements=64)
         p, state = param.copy(), rule.init_state(param)
         for grad in grads:
             rule.apply(p, grad, state)
         bad = grads[0].copy()
         bad[832 * 2 - 1] = np.inf  # the last element of the middle range
-        results.append((_bits(p, grads[0], state), optimizers.magnitude(p), optimizers.magnitude(bad)))
+        results.append((_bits(p, grads[0], state), numerics.magnitude(p), numerics.magnitude(bad)))
     assert results[0] == results[1]
     assert results[1][2] is None
 
