@@ -18,7 +18,7 @@ import grpc
 from pswire.lanes import LANE_METHODS, RETRYABLE_FLAG
 from pswire.v1 import ps_pb2
 from psserver.guard import Undecodable, tolerant
-from psserver.lanes import LaneCalls
+from psserver.laneframes import LaneCalls
 from psserver.servicer import RETRYABLE
 
 __all__ = ["LaneContext", "lane_calls"]

@@ -24,6 +24,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from psserver import laneframes
 from psserver import lanes as server_lanes
 from psserver.inflight import InflightBudget
 from psserver.lanes import LaneServer
@@ -243,15 +244,15 @@ def test_a_trickled_8_gib_push_holds_only_the_bytes_that_arrived(sessions):
         with attacker:
             attacker.sendall(struct.pack("<4sQQ", b"PSPU", 1, 8 << 30) + b"x")
             wait_for(lambda: budget.held > 0, "the attacker's first piece")
-            assert budget.held <= server_lanes.PIECE_BYTES
+            assert budget.held <= laneframes.PIECE_BYTES
             pool = pool_for(server, sessions, A)
             lane = pool.take()
             assert lane is not None
             for _ in range(3):
                 push(server, lane, A, os.urandom(6 * MiB))
             assert server.open_lanes == 2  # the attacker's lane is still open
-            assert budget.held <= server_lanes.PIECE_BYTES
-            assert budget.peak <= server_lanes.PIECE_BYTES + 8 * MiB  # its piece, and the push in pieces
+            assert budget.held <= laneframes.PIECE_BYTES
+            assert budget.peak <= laneframes.PIECE_BYTES + 8 * MiB  # its piece, and the push in pieces
             pool.give(lane)
             pool.close()
         wait_for(lambda: server.open_lanes == 0 and budget.held == 0, "the attacker's lane to free its piece")
