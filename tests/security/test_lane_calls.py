@@ -311,11 +311,11 @@ def test_row_reads_of_several_tables_from_two_shards_come_back_exactly(monkeypat
     """``PSClient.pull_rows``: each shard's rows of every table in as few calls as its limit
     allows (all sent before any reply is read when each shard gets one), and every value lands
     at its id's place, as the tables' seeded initializer computes them."""
-    from psworker import client as client_module
+    from psworker import exchange
     from pswire.tables import TableSpec, initial_rows
 
     if rows_per_call is not None:  # bytes of values per call: 96 is 3 rows of dim 8
-        monkeypatch.setattr(client_module, "ROWS_PER_CALL", rows_per_call)
+        monkeypatch.setattr(exchange, "ROWS_PER_CALL", rows_per_call)
     adagrad = OptimizerConfig(name="adagrad", lr=0.1)
     tables = [TableSpec(name="users", num_rows=1000, dim=8, optimizer=adagrad, seed=3),
               TableSpec(name="items", num_rows=50, dim=4, optimizer=adagrad, seed=4)]

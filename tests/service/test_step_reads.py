@@ -25,7 +25,7 @@ from pswire.placement import VariableSpec
 from pswire.tables import TableSpec, initial_rows
 from pswire.v1 import ps_pb2
 from pswire.wire import rows_to_proto
-from psworker import client as client_module
+from psworker import exchange
 from psworker.client import ClientOptions, PSClient
 from psworker.shard import ShardClient
 from tests.integration.test_sparse_export import DIM, FEATURES, ROWS, _Model
@@ -161,7 +161,7 @@ def _registered(started, consistency: Consistency | None = None, **options):
 
 
 def test_a_share_above_one_reply_is_read_after_the_step(monkeypatch):
-    monkeypatch.setattr(client_module, "ROWS_PER_CALL", 3 * DIM * 4)  # 3 rows a call
+    monkeypatch.setattr(exchange, "ROWS_PER_CALL", 3 * DIM * 4)  # 3 rows a call
     with _shards(2) as started:
         with _registered(started) as client:
             counter = _ReadCounter(monkeypatch)

@@ -8,7 +8,7 @@ import pytest
 
 import psworker
 from pswire import gen
-from psworker import admin, channel, client, options, shard
+from psworker import admin, channel, client, exchange, options, shard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,7 +37,7 @@ def test_client_and_shard_public_surface():
     assert set(shard.__all__) >= {"ClientOptions", "ShardClient", "parse_addresses"}
     for name in set(client.__all__) & set(shard.__all__):  # re-exported, not copies
         assert getattr(client, name) is getattr(shard, name), name
-    for module in (admin, channel, options):
+    for module in (admin, channel, exchange, options):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
     # The worker's clients are the operator's ones that also move tensors.

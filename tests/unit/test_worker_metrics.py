@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pswire import errors
 from psworker import children, cluster, sdfile
-from psworker.client import _phases
+from psworker.exchange import _phases
 from psworker.config import parse_args
 from psworker.metrics import PHASES, WorkerMetrics, metrics_url, serve
 from psworker.retry import retrying
