@@ -57,15 +57,14 @@ from typing import TYPE_CHECKING
 
 from pswire.security import TOKEN_ENV, ClientSecurity, make_dev_pki, read_token, write_token_files
 from psworker.children import Action, Child, ChildProcess, Recovery, decide_exit
-from psworker.clusterflags import RAY_RUN_MARK, _identity_flags, _metrics_flags, _parse, _shard_config
+from psworker.clusterflags import _identity_flags, _metrics_flags, _parse, _shard_config
 from psworker.sdfile import MetricsTargets
 
 if TYPE_CHECKING:
     from pswire.v1 import ps_pb2
     from psworker.client import ClientOptions
 
-# RAY_RUN_MARK is psworker.clusterflags's: psworker.ray and psworker.ray_actors import it from here.
-__all__ = ["RAY_RUN_MARK", "data_summary", "main"]
+__all__ = ["data_summary", "main"]
 
 log = logging.getLogger("pscluster")
 

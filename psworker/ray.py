@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psworker.children import exit_reason
-from psworker.cluster import RAY_RUN_MARK, _credentials, _metrics_flags, _shard_config, final_summary
+from psworker.cluster import _credentials, final_summary
+from psworker.clusterflags import RAY_RUN_MARK, _metrics_flags, _shard_config
 from psworker.ray_actors import JobControl, ShardActor, WorkerActor
 from psworker.sdfile import MetricsTargets
 

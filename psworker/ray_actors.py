@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pswire.files import write_atomically
 from psworker.children import METRICS_LINE, exit_reason, result_line
-from psworker.cluster import RAY_RUN_MARK
+from psworker.clusterflags import RAY_RUN_MARK
 
 __all__ = ["JobControl", "ShardActor", "WorkerActor"]
 
