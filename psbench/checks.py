@@ -163,8 +163,9 @@ def _elastic_accuracy(results: dict) -> Check:
         std = f" +- {figures['std']:.3f}" if figures["std"] is not None else ""
         return f"{figures['mean']:.3f}{std}"
 
+    emulated = f" at {accuracy['compute_ms']:g} ms of emulated compute a step" if accuracy.get("compute_ms") else ""
     detail = (f"dynamic {side(accuracy['dynamic'])} vs static {side(accuracy['static'])}, "
-              f"{accuracy['runs']} run(s) each of a {accuracy['job_steps']}-step job")
+              f"{accuracy['runs']} run(s) each of a {accuracy['job_steps']}-step job{emulated}")
     if accuracy.get("difference_stderr_points") is not None:
         detail += f"; standard error of the difference {accuracy['difference_stderr_points']:.2f} points"
     return _check("8b", name, abs(accuracy["difference_points"]), "<=", 1.5, detail)

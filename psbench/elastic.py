@@ -11,33 +11,38 @@
   train then, like a static worker that finished first, whose idle time no figure counts. Any
   other wait for data (a stall) counts; the figure with the end's wait counted too is beside it.
 * accuracy: a mnist1d-cnn job (``psbench.config.ElasticJob``: the same examples in every run,
-  Adam at half the task's learning rate, which 4 async workers need to train stably) trained by
+  Adam at a quarter of the task's learning rate, where 4 async workers end calm) trained by
   4 static and by 4 dynamic workers, 5 runs each with seeds 0 to 4 (a run of each setup per
   seed: the same initial weights and epoch orders), the final model's test accuracy evaluated
-  on the shards' weights. Every run's workers hold step 1 until all of them have joined
-  (``psworker --min-workers``), so that both setups train side by side from the first step.
-  Without it the static split's start-up skew let its first workers train alone for a while,
-  at lower staleness (the shard's histogram: most pushes 1 version stale, against 3 for dynamic
-  data), which was worth about 3 points of accuracy to the static split (docs/elastic.md).
-* scaling: the same job trained by 2 dynamic workers, beside each 4-worker run: the job's time
-  from the first worker's first step to the last task's last step (each worker's start from
-  its log line ``starts at step 1``, its end from its result line), 4 workers against 2. On 2
-  cores two CPU-bound workers already use the machine, so the same job is also trained by 4
-  and by 2 dynamic workers that emulate accelerators (``psworker --slowdown``: each step
-  stretched by a sleep to ``ElasticJob.emulated_slowdown`` times its length), as the scale
-  section's workers do: what more workers buy when their compute is their own.
+  on the shards' weights. The workers emulate accelerators (``ElasticJob.compute_ms`` of sleep
+  in each training step), so that neither setup's workers fight over the 2 cores: CPU-bound, the
+  static split's workers finished up to 1.7 s apart and its job ended in a cool-down, trained
+  by fewer and fewer workers, that dynamic data's workers, which finish together, do not get.
+  Every run's workers hold step 1 until all of them have joined (``psworker --min-workers``),
+  so that both setups train side by side from the first step. Without it the static split's
+  start-up skew let its first workers train alone for a while, at lower staleness (the shard's
+  histogram: most pushes 1 version stale, against 3 for dynamic data), which was worth about 3
+  points of accuracy to the static split (docs/elastic.md). The end and the start are the same
+  effect: fewer workers side by side, less stale gradients.
+* scaling: the same job trained, CPU-bound, by 4 and by 2 dynamic workers, ``scaling_runs`` of
+  each: the job's time from the first worker's first step to the last task's last step (each
+  worker's start from its log line ``starts at step 1``, its end from its result line), 4
+  workers against 2. On 2 cores two CPU-bound workers already use the machine, so the same job
+  is also trained by 4 and by 2 dynamic workers that emulate accelerators (``psworker
+  --slowdown``: each step stretched by a sleep to ``ElasticJob.emulated_slowdown`` times its
+  length), as the scale section's workers do: what more workers buy when their compute is their
+  own.
 
 Every run has shards of its own, started before the clock starts: a job's data queue, once
 done, stays done. All processes share this machine's cores.
 
-How long, on 2 cores: 5-8 minutes (with 3 runs of each setup: 135 s with a load average of 1-4
-from other work, 166 s at 5-6; 7 minutes at 15, before the emulated runs; 433-578 s on a
-machine 2-3x slower than usual): the throughput pairs 1-2 minutes (10 runs of 2 workers, 5-9 s
-of training each, with start-ups), the 15 mnist1d-cnn jobs 2-4 (4-8 s of training each), the 4
-emulated ones about 1-2 (the 4-worker job at about twice the CPU-bound one's time, the 2-worker
+How long, on 2 cores: 12-15 minutes. The throughput pairs take 1-2 minutes (10 runs of 2 workers,
+5-9 s of training each, with start-ups). The 10 accuracy jobs take about 7 (22-26 s of training
+each at 30 ms a step). The 6 CPU-bound jobs take about 2 (4-10 s each), and the 4 emulated ones
+at ``--slowdown`` 2-3 (the 4-worker job at about twice the CPU-bound one's time, the 2-worker
 job at four times).
-``--quick`` (1 pair of short runs; 2 static, 2 dynamic and 1 dynamic worker on a 100-step job,
-and the emulated 2 and 1): about a minute.
+``--quick`` (1 pair of short runs; 2 static and 2 dynamic workers on a 100-step job at 5 ms a
+step, then 2 and 1 dynamic workers CPU-bound and emulated): about a minute.
 """
 
 from __future__ import annotations
@@ -226,9 +231,10 @@ class JobRun:
 
 
 def run_job(children: Children, job: ElasticJob, *, workers: int, dynamic: bool, seed: int,
-            timeout: float = 600.0, extra: Sequence[str] = ()) -> JobRun:
+            timeout: float = 600.0, extra: Sequence[str] = (), compute_ms: float = 0.0) -> JobRun:
     """``job`` trained once by ``workers`` async workers (static split or dynamic data; with
-    ``extra`` worker flags) on shards of its own; returns its accuracy and times. Raises
+    ``extra`` worker flags; ``compute_ms`` of emulated accelerator compute a step, see
+    ``ElasticJob.compute_ms``) on shards of its own; returns its accuracy and times. Raises
     ``ChildError``, or ``pswire.errors.PSError`` from the final evaluation."""
     from psworker.training import evaluate_job  # torch and the task's data: once there is a job
 
@@ -245,6 +251,7 @@ def run_job(children: Children, job: ElasticJob, *, workers: int, dynamic: bool,
                 f"cnn-{kind}{workers}-seed{seed}-worker{i}", "psworker", "--ps", ps, "--task", CNN_TASK, *place,
                 "--seed", str(seed), "--lr", str(job.lr), "--worker-name", f"{kind}-worker{i}",
                 "--min-workers", str(workers), *_CNN_FLAGS, *extra,
+                *(("--task-options", f"compute_ms={compute_ms:g}") if compute_ms > 0 else ()),
                 separate_stdout=True,
             ))
         results = [worker_result(child, timeout) for child in running]
@@ -265,18 +272,27 @@ def run_job(children: Children, job: ElasticJob, *, workers: int, dynamic: bool,
 
 
 def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 600.0) -> dict:
-    """``job.runs`` runs of each setup (``workers`` static, ``workers`` dynamic, ``fewer``
-    dynamic), a run of each per seed, their order rotating from one seed to the next. Returns
-    the ``accuracy`` and ``scaling`` parts of the section. Raises ``ChildError``."""
-    setups = [(job.workers, False), (job.workers, True), (job.fewer, True)]
-    runs: dict[tuple[int, bool], list[JobRun]] = {setup: [] for setup in setups}
+    """``job.runs`` runs of ``workers`` static and ``workers`` dynamic workers emulating
+    accelerators (``job.compute_ms``; a run of each per seed, the first alternating), for the
+    accuracy; ``job.scaling_runs`` CPU-bound runs of ``workers`` and ``fewer`` dynamic ones, and
+    ``job.emulated_runs`` of both stretched by ``--slowdown``, for the job's time. Returns the
+    ``accuracy``, ``scaling`` and ``emulated`` parts of the section. Raises ``ChildError``."""
+    runs: dict[bool, list[JobRun]] = {False: [], True: []}
     for seed in range(job.runs):
-        for workers, dynamic in setups[seed % 3:] + setups[:seed % 3]:
-            run = run_job(children, job, workers=workers, dynamic=dynamic, seed=seed, timeout=timeout)
-            runs[workers, dynamic].append(run)
-            log.info("mnist1d-cnn seed %d, %d %s workers: test accuracy %.3f, job %.1fs (%.1fs with start-ups)",
-                     seed, workers, "dynamic" if dynamic else "static", run.test_accuracy, run.seconds,
-                     run.wall_seconds)
+        for dynamic in ((False, True) if seed % 2 == 0 else (True, False)):
+            run = run_job(children, job, workers=job.workers, dynamic=dynamic, seed=seed, timeout=timeout,
+                          compute_ms=job.compute_ms)
+            runs[dynamic].append(run)
+            log.info("mnist1d-cnn seed %d, %d %s workers at %g ms of emulated compute a step: test accuracy %.3f, "
+                     "job %.1fs", seed, job.workers, "dynamic" if dynamic else "static", job.compute_ms,
+                     run.test_accuracy, run.seconds)
+    timed: dict[int, list[JobRun]] = {job.workers: [], job.fewer: []}
+    for seed in range(job.scaling_runs):
+        for workers in (job.workers, job.fewer) if seed % 2 == 0 else (job.fewer, job.workers):
+            run = run_job(children, job, workers=workers, dynamic=True, seed=seed, timeout=timeout)
+            timed[workers].append(run)
+            log.info("mnist1d-cnn seed %d, %d dynamic workers: job %.1fs (%.1fs with start-ups)", seed, workers,
+                     run.seconds, run.wall_seconds)
     emulated: dict[int, list[JobRun]] = {job.workers: [], job.fewer: []}
     slow = ("--slowdown", f"{job.emulated_slowdown:g}")
     for seed in range(job.emulated_runs):
@@ -285,7 +301,8 @@ def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 6
             emulated[workers].append(run)
             log.info("mnist1d-cnn seed %d, %d dynamic workers at --slowdown %g: job %.1fs", seed, workers,
                      job.emulated_slowdown, run.seconds)
-    static, dynamic, fewer = (runs[setup] for setup in setups)
+    static, dynamic = runs[False], runs[True]
+    more, fewer = timed[job.workers], timed[job.fewer]
     accuracy = {
         "static": spread([r.test_accuracy for r in static]),
         "dynamic": spread([r.test_accuracy for r in dynamic]),
@@ -296,18 +313,22 @@ def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 6
         100 * math.sqrt((accuracy["dynamic"]["std"] ** 2 + accuracy["static"]["std"] ** 2) / job.runs)
         if job.runs > 1 else None)
     common = {"task": "mnist1d-cnn", "shards": job.shards, "job_steps": job.steps,
-              "batch_size": CNN_DEFAULTS.batch_size, "lr": job.lr, "runs": job.runs}
+              "batch_size": CNN_DEFAULTS.batch_size, "lr": job.lr}
     return {
-        "accuracy": {**common, "workers": job.workers, **accuracy,
+        "accuracy": {**common, "runs": job.runs, "workers": job.workers, "compute_ms": job.compute_ms, **accuracy,
+                     # The same runs' times (emulated compute): a static worker trains its share whatever
+                     # the others do, a dynamic one what the queue hands it.
+                     "static_seconds": median([r.seconds for r in static]),
+                     "dynamic_seconds": median([r.seconds for r in dynamic]),
                      "static_runs": [r.to_dict() for r in static], "dynamic_runs": [r.to_dict() for r in dynamic]},
         "scaling": {
-            **common, "workers": job.workers, "fewer": job.fewer,
-            "seconds": median([r.seconds for r in dynamic]),
+            **common, "runs": job.scaling_runs, "workers": job.workers, "fewer": job.fewer,
+            "seconds": median([r.seconds for r in more]),
             "fewer_seconds": median([r.seconds for r in fewer]),
             # Each run with more workers against the run with fewer of the same seed.
-            "ratio": median_ratio([r.seconds for r in dynamic], [r.seconds for r in fewer]),
-            "wall_ratio": median_ratio([r.wall_seconds for r in dynamic], [r.wall_seconds for r in fewer]),
-            "static_seconds": median([r.seconds for r in static]),
+            "ratio": median_ratio([r.seconds for r in more], [r.seconds for r in fewer]),
+            "wall_ratio": median_ratio([r.wall_seconds for r in more], [r.wall_seconds for r in fewer]),
+            "more_runs": [r.to_dict() for r in more],
             "fewer_runs": [r.to_dict() for r in fewer],
         },
         **({"emulated": {

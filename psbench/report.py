@@ -205,17 +205,19 @@ def _elastic(elastic: dict) -> list[str]:
             std = f" +- {figures['std']:.3f}" if figures["std"] is not None else ""
             return f"{figures['mean']:.3f}{std} ({figures['min']:.3f}-{figures['max']:.3f})"
 
+        emulated_compute = f", {accuracy['compute_ms']:g} ms emulated compute a step" if accuracy.get("compute_ms") else ""
         rows.append([f"{accuracy['task']} test accuracy, {accuracy['shards']} shard x {accuracy['workers']} workers, "
-                     f"{accuracy['job_steps']}-step job, {accuracy['runs']} run(s): mean +- std (min-max)",
+                     f"{accuracy['job_steps']}-step job{emulated_compute}, {accuracy['runs']} run(s): "
+                     "mean +- std (min-max)",
                      side(accuracy["static"]), side(accuracy["dynamic"]),
                      f"{accuracy['difference_points']:+.2f} points"
                      + (f" (+- {accuracy['difference_stderr_points']:.2f})"
                         if accuracy.get("difference_stderr_points") is not None else "")])
+        if accuracy.get("static_seconds"):
+            rows.append([f"  job time, first step to last, {accuracy['workers']} workers (medians)",
+                         f"{accuracy['static_seconds']:.1f} s", f"{accuracy['dynamic_seconds']:.1f} s",
+                         _ratio(accuracy["dynamic_seconds"] / accuracy["static_seconds"])])
     scaling = elastic.get("scaling")
-    if scaling:
-        rows.append([f"  job time, first step to last, {scaling['workers']} workers (medians)",
-                     f"{scaling['static_seconds']:.1f} s", f"{scaling['seconds']:.1f} s",
-                     _ratio(scaling["static_seconds"] and scaling["seconds"] / scaling["static_seconds"])])
     lines = ["Dynamic data (elastic workers) against the static split, alternated in one run; dynamic / static: "
              "median over repetitions of each pair (steps/s: each worker's steps over its training time, less a "
              "dynamic worker's wait for the others at the job's end)",

@@ -14,7 +14,9 @@ the tasks also work on their own.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,10 +103,20 @@ def mlp2048(seed: int = 0) -> Task:
     return _task(2048)
 
 
-def mnist1d_cnn(seed: int = 0) -> Task:
+def mnist1d_cnn(seed: int = 0, compute_ms: str | float = 0) -> Task:
     """psworker's built-in ``mnist1d-cnn``, the same model, weights, data and defaults, on the
-    arrays psbench cached: workers start without generating MNIST-1D."""
+    arrays psbench cached: workers start without generating MNIST-1D.
+
+    ``compute_ms`` (``--task-options compute_ms=30``): each training forward pass also sleeps
+    this long, standing for compute on an accelerator of the worker's own, so that workers do not
+    share the machine's cores for it (the elastic section's accuracy runs). An evaluation does
+    not sleep, and the model's variables are the same either way."""
+    delay = float(compute_ms) / 1e3
+    if not (math.isfinite(delay) and delay >= 0):
+        raise ValueError(f"compute_ms must be a finite number >= 0, got {compute_ms!r}")
     model = _MnistCnn()  # first, as the built-in does: the seeded RNG gives the same weights
+    if delay > 0:
+        model.register_forward_pre_hook(lambda module, inputs: time.sleep(delay) if module.training else None)
     x, y, x_test, y_test = (torch.from_numpy(np.array(a)) for a in _load_arrays())
     return Task(name="mnist1d-cnn", model=model, train=(x, y), test=(x_test, y_test),
                 loss_fn=nn.functional.cross_entropy, defaults=CNN_DEFAULTS)

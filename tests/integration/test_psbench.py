@@ -94,9 +94,13 @@ def test_quick_run_reports_every_section(tmp_path):
     assert throughput["parameters"] == 15_210 and len(throughput["dynamic_reps"]) == 1
     job = doc["plan"]["elastic_job"]
     accuracy = elastic["accuracy"]
-    for run in accuracy["static_runs"] + accuracy["dynamic_runs"] + elastic["scaling"]["fewer_runs"]:
+    runs = accuracy["static_runs"] + accuracy["dynamic_runs"] + elastic["scaling"]["more_runs"]
+    for run in runs + elastic["scaling"]["fewer_runs"]:
         assert sum(run["worker_examples"]) == job["steps"] * 100 and len(run["worker_examples"]) == run["workers"]
     assert elastic["accuracy"]["static"]["std"] is None  # one run each
+    # The accuracy runs emulate accelerators (a sleep in each training step); the scaling runs do not.
+    assert accuracy["compute_ms"] == job["compute_ms"] > 0 and accuracy["static_seconds"] > 0
+    assert elastic["scaling"]["runs"] == job["scaling_runs"] == 1
     assert (elastic["scaling"]["workers"], elastic["scaling"]["fewer"]) == (job["workers"], job["fewer"])
     emulated = elastic["emulated"]  # the same job by workers whose steps a sleep stretches
     assert (emulated["workers"], emulated["fewer"], emulated["runs"]) == (job["workers"], job["fewer"], 1)
@@ -210,9 +214,10 @@ def test_elastic_checks(ratio, difference, scaling, passed):
                        "dynamic_reps_with_end_wait": [90.0], "ratio_with_end_wait": 0.9 * ratio},
         "accuracy": {"task": "mnist1d-cnn", "shards": 1, "workers": 4, "job_steps": 2400, "runs": 3,
                      "static": side, "dynamic": side, "difference_points": difference,
-                     "difference_stderr_points": 0.82},
+                     "difference_stderr_points": 0.82, "compute_ms": 30.0, "static_seconds": 22.0,
+                     "dynamic_seconds": 22.0},
         "scaling": {"workers": 4, "fewer": 2, "job_steps": 2400, "seconds": 10.0 * scaling, "fewer_seconds": 10.0,
-                    "ratio": scaling, "wall_ratio": 1.1, "static_seconds": 11.0},
+                    "ratio": scaling, "wall_ratio": 1.1},
         "emulated": {"workers": 4, "fewer": 2, "job_steps": 2400, "slowdown": 4.0, "seconds": 20.0 * scaling,
                      "fewer_seconds": 20.0, "ratio": scaling},
     }
@@ -223,5 +228,7 @@ def test_elastic_checks(ratio, difference, scaling, passed):
     assert "4 dynamic vs 4 static" in checks["8b"].name and "4 dynamic workers < 1 x 2" in checks["8c"].name
     table = "\n".join(_elastic(elastic))
     assert f"{difference:+.2f} points (+- 0.82)" in table and "4 / 2 =" in table and "emulated accelerators" in table
+    assert "30 ms emulated compute a step" in table
     assert "standard error of the difference 0.82 points" in checks["8b"].detail
+    assert "2400-step job at 30 ms of emulated compute a step" in checks["8b"].detail
     assert all(c.passed is None for c in compute_checks({}) if c.id.startswith("8"))

@@ -507,3 +507,40 @@ def test_scale_check_names_its_stand_ins_and_is_not_measured_without_the_section
     assert quick["passed"] is True and quick["detail"].endswith("(at 2 workers)")
     other = next(c for c in _doc(scale=_scale_doc(0.95, width=2048, compute_ms=20.0))["checks"] if c["id"] == "10")
     assert other["detail"].endswith("(at 4300810 parameters, 20 ms compute)")
+
+
+def test_the_cnn_emulates_an_accelerator_in_training_steps_only(monkeypatch):
+    # The elastic section's accuracy runs: a training forward pass sleeps compute_ms (compute the
+    # 2 cores do not share); an evaluation does not, and the variables are those of the plain task.
+    import torch
+
+    from psbench import tasks
+    from psworker.tasks import load_task
+
+    slept: list[float] = []
+    monkeypatch.setattr(tasks.time, "sleep", slept.append)
+    plain = load_task("psbench.tasks:mnist1d_cnn", seed=3)
+    emulated = load_task("psbench.tasks:mnist1d_cnn", seed=3, options={"compute_ms": "30"})
+    assert plain.model.state_dict().keys() == emulated.model.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.state_dict().values(), emulated.model.state_dict().values()))
+    x = emulated.train[0][:8]
+    emulated.model.train()
+    emulated.model(x)
+    plain.model.train()
+    plain.model(x)
+    assert slept == [0.03]
+    emulated.model.eval()
+    emulated.model(x)
+    assert slept == [0.03]
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="compute_ms must be a finite number >= 0"):
+            tasks.mnist1d_cnn(0, compute_ms=bad)
+
+
+def test_the_elastic_job_refuses_settings_it_cannot_run():
+    from psbench.config import ELASTIC_JOB, ElasticJob
+
+    assert ELASTIC_JOB.compute_ms > 0 and ELASTIC_JOB.scaling_runs >= 1
+    for bad in ({"compute_ms": -1.0}, {"compute_ms": float("nan")}, {"scaling_runs": 0}):
+        with pytest.raises(ValueError, match="compute_ms >= 0 and scaling_runs >= 1"):
+            ElasticJob(steps=8, workers=2, fewer=1, runs=1, **bad)
