@@ -286,23 +286,10 @@ def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 6
             log.info("mnist1d-cnn seed %d, %d %s workers at %g ms of emulated compute a step: test accuracy %.3f, "
                      "job %.1fs", seed, job.workers, "dynamic" if dynamic else "static", job.compute_ms,
                      run.test_accuracy, run.seconds)
-    timed: dict[int, list[JobRun]] = {job.workers: [], job.fewer: []}
-    for seed in range(job.scaling_runs):
-        for workers in (job.workers, job.fewer) if seed % 2 == 0 else (job.fewer, job.workers):
-            run = run_job(children, job, workers=workers, dynamic=True, seed=seed, timeout=timeout)
-            timed[workers].append(run)
-            log.info("mnist1d-cnn seed %d, %d dynamic workers: job %.1fs (%.1fs with start-ups)", seed, workers,
-                     run.seconds, run.wall_seconds)
-    emulated: dict[int, list[JobRun]] = {job.workers: [], job.fewer: []}
+    more, fewer = _more_and_fewer(children, job, job.scaling_runs, timeout)
     slow = ("--slowdown", f"{job.emulated_slowdown:g}")
-    for seed in range(job.emulated_runs):
-        for workers in (job.workers, job.fewer) if seed % 2 == 0 else (job.fewer, job.workers):
-            run = run_job(children, job, workers=workers, dynamic=True, seed=seed, timeout=timeout, extra=slow)
-            emulated[workers].append(run)
-            log.info("mnist1d-cnn seed %d, %d dynamic workers at --slowdown %g: job %.1fs", seed, workers,
-                     job.emulated_slowdown, run.seconds)
+    emulated_more, emulated_fewer = _more_and_fewer(children, job, job.emulated_runs, timeout, extra=slow)
     static, dynamic = runs[False], runs[True]
-    more, fewer = timed[job.workers], timed[job.fewer]
     accuracy = {
         "static": spread([r.test_accuracy for r in static]),
         "dynamic": spread([r.test_accuracy for r in dynamic]),
@@ -321,25 +308,38 @@ def measure_elastic_jobs(children: Children, job: ElasticJob, timeout: float = 6
                      "static_seconds": median([r.seconds for r in static]),
                      "dynamic_seconds": median([r.seconds for r in dynamic]),
                      "static_runs": [r.to_dict() for r in static], "dynamic_runs": [r.to_dict() for r in dynamic]},
-        "scaling": {
-            **common, "runs": job.scaling_runs, "workers": job.workers, "fewer": job.fewer,
-            "seconds": median([r.seconds for r in more]),
-            "fewer_seconds": median([r.seconds for r in fewer]),
-            # Each run with more workers against the run with fewer of the same seed.
-            "ratio": median_ratio([r.seconds for r in more], [r.seconds for r in fewer]),
-            "wall_ratio": median_ratio([r.wall_seconds for r in more], [r.wall_seconds for r in fewer]),
-            "more_runs": [r.to_dict() for r in more],
-            "fewer_runs": [r.to_dict() for r in fewer],
-        },
+        "scaling": {**common, "runs": job.scaling_runs, "workers": job.workers, "fewer": job.fewer,
+                    **_job_times(more, fewer)},
         **({"emulated": {
             **common, "workers": job.workers, "fewer": job.fewer, "slowdown": job.emulated_slowdown,
-            "runs": job.emulated_runs,
-            "seconds": median([r.seconds for r in emulated[job.workers]]),
-            "fewer_seconds": median([r.seconds for r in emulated[job.fewer]]),
-            "ratio": median_ratio([r.seconds for r in emulated[job.workers]],
-                                  [r.seconds for r in emulated[job.fewer]]),
-            "test_accuracy": [r.test_accuracy for r in emulated[job.workers] + emulated[job.fewer]],
-            "more_runs": [r.to_dict() for r in emulated[job.workers]],
-            "fewer_runs": [r.to_dict() for r in emulated[job.fewer]],
+            "runs": job.emulated_runs, **_job_times(emulated_more, emulated_fewer),
+            "test_accuracy": [r.test_accuracy for r in emulated_more + emulated_fewer],
         }} if job.emulated_runs else {}),
+    }
+
+
+def _more_and_fewer(children: Children, job: ElasticJob, runs: int, timeout: float,
+                    extra: Sequence[str] = ()) -> tuple[list[JobRun], list[JobRun]]:
+    """``runs`` runs of the job by ``job.workers`` and by ``job.fewer`` dynamic workers (with
+    ``extra`` worker flags), a run of each per seed, the first alternating."""
+    timed: dict[int, list[JobRun]] = {job.workers: [], job.fewer: []}
+    for seed in range(runs):
+        for workers in (job.workers, job.fewer) if seed % 2 == 0 else (job.fewer, job.workers):
+            run = run_job(children, job, workers=workers, dynamic=True, seed=seed, timeout=timeout, extra=extra)
+            timed[workers].append(run)
+            log.info("mnist1d-cnn seed %d, %d dynamic workers%s: job %.1fs (%.1fs with start-ups)", seed, workers,
+                     f" with {' '.join(extra)}" if extra else "", run.seconds, run.wall_seconds)
+    return timed[job.workers], timed[job.fewer]
+
+
+def _job_times(more: list[JobRun], fewer: list[JobRun]) -> dict:
+    """The job's time with more workers against fewer: medians, and the median over seeds of
+    each run with more workers against the run with fewer of the same seed."""
+    return {
+        "seconds": median([r.seconds for r in more]),
+        "fewer_seconds": median([r.seconds for r in fewer]),
+        "ratio": median_ratio([r.seconds for r in more], [r.seconds for r in fewer]),
+        "wall_ratio": median_ratio([r.wall_seconds for r in more], [r.wall_seconds for r in fewer]),
+        "more_runs": [r.to_dict() for r in more],
+        "fewer_runs": [r.to_dict() for r in fewer],
     }
