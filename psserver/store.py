@@ -36,11 +36,11 @@ from psserver.dataqueue import DataQueue
 from psserver.job import Registration, check_count, check_finite
 from psserver.lifecycle import RESTORE_ID_GAP, Lifecycle
 from psserver.membership import Membership
-from psserver.groups import GROUP_PART_BYTES, SlotGroup, group_slots
-from psserver.numerics import magnitude
+from psserver.groups import SlotGroup, group_slots
 from psserver.optimizers import UpdateRule
 from psserver.reads import Reads
 from psserver.reports import Reports
+from psserver.screen import NonFiniteError, gradient_bounds
 from psserver.state import (
     Counters, EndedJob, EndedJobs, PulledPart, PullSnapshot, PushResult, Reading, RegisterResult, ShardState, Slot,
     SyncClock, Worker,
@@ -65,41 +65,6 @@ class _Screened:
     bound: float | None
     """The updated variable's magnitude bound that verify proved (None: not known)."""
     group: SlotGroup | None = None
-
-
-def _gradient_bounds(parts: Sequence[Part], grads: Sequence[np.ndarray]) -> list[float]:
-    """Each gradient's largest magnitude (0.0 for one that is not floating point); raises
-    ``NonFiniteError`` naming the first that holds a NaN or an infinity. Small gradients of one
-    dtype are read as one (their concatenation, which bounds each), as the shard updates them."""
-    if len(parts) != len(grads):
-        raise ValueError(f"{len(grads)} gradients for {len(parts)} parts")
-    known: list[float] = [0.0] * len(parts)
-    small: dict[np.dtype, list[int]] = {}
-    for i, (part, grad) in enumerate(zip(parts, grads)):
-        if not part.dtype.is_floating_point:
-            continue
-        if grad.nbytes <= GROUP_PART_BYTES:
-            small.setdefault(grad.dtype, []).append(i)
-            continue
-        largest = magnitude(grad)
-        if largest is None:
-            raise NonFiniteError(f"gradient for {part.key!r} contains NaN or Inf")
-        known[i] = largest
-    for indices in small.values():
-        together = np.concatenate([grads[i].reshape(-1) for i in indices]) if len(indices) > 1 else grads[indices[0]]
-        largest = magnitude(together)
-        if largest is None:
-            first = next(i for i in indices if magnitude(grads[i]) is None)
-            raise NonFiniteError(f"gradient for {parts[first].key!r} contains NaN or Inf")
-        for i in indices:
-            known[i] = largest
-    return known
-
-
-class NonFiniteError(InvalidArgumentError):
-    """A push refused for a non-finite gradient, or for an update that would have made a
-    variable or its optimizer state non-finite (INVALID_ARGUMENT on the wire, like its parent;
-    counted apart from other refusals)."""
 
 
 class ShardStore(Membership, Lifecycle, Reports, Reads):
@@ -316,7 +281,7 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         ``PreconditionError`` for an unknown, departed or stale-generation worker.
         """
         try:
-            known = _gradient_bounds(parts, grads)  # read here, outside the lock
+            known = gradient_bounds(parts, grads)  # read here, outside the lock
             check_count("sequence", sequence)
             check_count("clock", clock)
             check_count("base clock", base_clock)
