@@ -228,10 +228,10 @@ class ElasticJob:
 
 # The CNN's test accuracy settles at 0.91-0.93 after about 2500 steps of a 2-worker job (its
 # note in psworker.tasks); 2400 steps of 4 workers at ElasticJob.lr reach 0.87-0.91, in 5-10 s
-# of training on 2 cores, or about 25 s at 30 ms of emulated compute a step, so the
-# section's 20 jobs and 10 throughput runs take 14-15 minutes with start-ups (848-888 s). Five runs of each: one run's accuracy
-# spreads over 2-3 points from seed to seed (0.89-0.94), so with three the standard error of the
-# two means' difference was about 1.2 points, near check 8b's 1.5.
+# of training on 2 cores, or about 25 s at 30 ms of emulated compute a step, so the section's
+# 20 jobs and 10 throughput runs take 14-15 minutes with start-ups (848-888 s). Five runs of
+# each: one run's accuracy spreads over 2-3 points from seed to seed (0.89-0.94), so with three
+# the standard error of the two means' difference was about 1.2 points, near check 8b's 1.5.
 ELASTIC_JOB = ElasticJob(steps=2400, workers=4, fewer=2, runs=5)
 QUICK_ELASTIC_JOB = ElasticJob(steps=100, workers=2, fewer=1, runs=1, compute_ms=5.0, scaling_runs=1, emulated_runs=1)
 

@@ -114,7 +114,10 @@ def test_a_killed_worker_is_restarted_and_the_job_still_trains_every_example_onc
         ps = found[1]
         # A quarter of the job trained, and worker-0 holding tasks: on busy cores it may start so late
         # that worker-1 trained the quarter alone, and a worker killed before it leased has nothing to give back.
-        while (seen := _examples_done_and_holders(ps))[0] < steps * batch // 4 or "worker-0" not in seen[1]:
+        while True:
+            done, holders = _examples_done_and_holders(ps)
+            if done >= steps * batch // 4 and "worker-0" in holders:
+                break
             pause()
         pid = int(re.search(r"started worker0, pid (\d+)", "".join(lines))[1])
         os.kill(pid, signal.SIGKILL)
