@@ -19,7 +19,7 @@ import pytest
 
 from psserver.checkpoint import LATEST
 from pswire.v1 import ps_pb2
-from tests.service.test_shard_service import (
+from tests.service.shard_harness import (
     GRADS, INITIAL, PARTS, RPC_TIMEOUT, Worker, chunks, expect_rpc_error, header, initialize, pull, push, register,
     register_request, status,
 )

@@ -28,7 +28,7 @@ from pswire.tables import TableSpec
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from pswire.wire import rows_to_proto, table_to_proto
 from tests.conftest import start_shard, wait_until
-from tests.service.test_shard_service import GRADS, PARTS, initialize, push, register, register_request
+from tests.service.shard_harness import GRADS, PARTS, initialize, push, register, register_request
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.integration]
 

@@ -14,7 +14,7 @@ import pytest
 from pswire import lanes as wire
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from tests.conftest import start_shard
-from tests.service.test_shard_service import (
+from tests.service.shard_harness import (
     GRADS, PARTS, RPC_TIMEOUT, Worker, expect_rpc_error, initialize, pull, push, register, status,
 )
 

@@ -21,7 +21,7 @@ from pswire.data import DataPlan
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from pswire.wire import MAX_COUNT, data_plan_to_proto
 from psworker import ctl
-from tests.service.test_shard_service import (
+from tests.service.shard_harness import (
     RPC_TIMEOUT, Worker, expect_rpc_error, initialize, open_stub, register, started_shards, status,  # noqa: F401
 )
 

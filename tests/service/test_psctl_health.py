@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from pswire.security import make_dev_pki, write_private_file
 from psworker import ctl
 from tests.conftest import ROOT, child_env
-from tests.service.test_shard_service import started_shards
+from tests.service.shard_harness import started_shards
 
 pytestmark = pytest.mark.timeout(120)
 

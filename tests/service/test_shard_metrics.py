@@ -37,7 +37,7 @@ from pswire.wire import consistency_to_proto
 from psserver.dataqueue import MAX_HELD
 from psworker.client import ClientOptions, PSClient
 from tests.service.test_data_service import PLAN, data
-from tests.service.test_shard_service import (
+from tests.service.shard_harness import (
     GRADS, MODEL_BYTES, PART, RPC_TIMEOUT, SGD, Worker, chunks, expect_rpc_error, initialize, open_stub,  # noqa: F401
     register, started_shards, status,
 )
