@@ -11,7 +11,11 @@ The budget counts bytes received, not bytes announced: a transfer (:meth:`Inflig
 takes its bytes piece by piece just before reading each piece, so a sender that announces 8 GiB
 and trickles holds only what it sent. Pieces could deadlock (every open transfer holding part of
 the budget and waiting for more), so the oldest open transfer is always admitted: it finishes,
-frees its bytes, and the next oldest goes on. The bound is then ``limit`` plus one transfer.
+frees its bytes, and the next oldest goes on. A transfer that cannot free its bytes until another
+is done (a push staged on a bulk lane waits for the call read after it, whose body is budgeted too)
+lends that one its place in line (``transfer(completes=...)``): when two staged pushes filled the
+budget, their calls would otherwise each wait for room only the other's push could free. The bound
+is then ``limit`` plus one transfer and the one completing it.
 """
 
 from __future__ import annotations
@@ -35,25 +39,27 @@ class InflightBudget:
         self._held = 0
         self._peak = 0
         self._tickets = itertools.count(1)
-        self._open: dict[int, None] = {}  # open transfers' tickets, oldest first
+        self._open: dict[int, int] = {}  # open transfers' tickets -> their place in line
 
     def acquire(self, nbytes: int, timeout: float) -> bool:
         """Take ``nbytes``, waiting up to ``timeout`` seconds for room; False if none came."""
         return self._take(None, nbytes, timeout)
 
-    def transfer(self) -> "Transfer":
+    def transfer(self, completes: "Transfer | None" = None) -> "Transfer":
         """A transfer that takes its bytes as they arrive; close it (or use it as a context
-        manager) once its bytes are applied or dropped."""
+        manager) once its bytes are applied or dropped. ``completes``: an open transfer that
+        cannot be freed before this one is done, whose place in line this one shares (its own
+        place if that one has closed already)."""
         with self._lock:
             ticket = next(self._tickets)
-            self._open[ticket] = None
+            self._open[ticket] = ticket if completes is None else self._open.get(completes._ticket, ticket)
         return Transfer(self, ticket)
 
     def _take(self, ticket: int | None, nbytes: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._freed:
             while self.limit and self._held and self._held + nbytes > self.limit and (
-                ticket is None or next(iter(self._open)) != ticket  # the oldest transfer never waits
+                ticket is None or self._open.get(ticket) != min(self._open.values())  # the oldest never waits
             ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -97,7 +103,7 @@ class Transfer:
 
     def acquire(self, nbytes: int, timeout: float) -> bool:
         """Take ``nbytes`` more, waiting up to ``timeout`` seconds for room (never when this is
-        the oldest open transfer); False if none came."""
+        the oldest open transfer, or completes it); False if none came."""
         if self._closed:
             raise RuntimeError("transfer already closed")
         if not self._budget._take(self._ticket, nbytes, timeout):

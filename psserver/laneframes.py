@@ -206,8 +206,12 @@ class LaneFrames:
         if not 4 <= nbytes <= wire.CALL_LIMIT:
             raise wire.LaneError(f"call of {nbytes} bytes on the lane (at most {wire.CALL_LIMIT})")
         assert lane.owner is not None
-        # The body's bytes are budgeted while they arrive; the handler budgets what it keeps.
-        transfer = self._budget.transfer()
+        # The body's bytes are budgeted while they arrive; the handler budgets what it keeps. The
+        # push staged on this lane (at most one) is freed only once this call claims it, so the
+        # body shares its place in line: else two staged pushes' calls could each wait on the other.
+        with self._lock:
+            staged = next((s.transfer for (lane_id, _), s in self._staged.items() if lane_id == lane.lane_id), None)
+        transfer = self._budget.transfer(completes=staged)
         try:
             self._make_room(lane, transfer, nbytes)
             body = bytearray(nbytes)

@@ -133,6 +133,39 @@ def test_a_call_that_stalls_inside_its_body_is_cut_and_its_budget_released():
         assert seen == [] and budget.held == 0  # ... and released when the lane is cut
 
 
+def test_calls_claiming_staged_pushes_that_fill_the_budget_go_on_at_once():
+    """Two pushes staged on two lanes hold 900 of a 1,000-byte budget, and each is freed only by
+    the call its lane sends next, whose 216 bytes are budgeted too: each call shares its push's
+    place in line, so the older push's call goes on over the limit and frees the room the younger
+    one's call needs. (Before, both calls waited for room ``laneframes.ROOM_SECONDS``, a minute,
+    and their lanes were cut: two workers pushing at once could stall a shard.)"""
+    secret, claimed = os.urandom(32), []
+    budget = InflightBudget(1000)
+
+    def calls(method, body, owner, lane_id, timeout):
+        token, nbytes = struct.unpack_from("<QQ", body)
+        server.give_back(server.claim(lane_id, token, nbytes, timeout, owner=owner))
+        claimed.append(nbytes)
+        return 0, b""
+
+    with lane_server(secret, calls, budget=budget) as server, \
+            lane_socket(server.port, secret, OWNER) as older, lane_socket(server.port, secret, OWNER) as younger:
+        older.sendall(wire.PUSH.pack(wire.PUSH_TAG, 1, 600) + bytes(600))
+        wait_for(lambda: budget.held == 600, "the older push to be staged")
+        younger.sendall(wire.PUSH.pack(wire.PUSH_TAG, 1, 300) + bytes(300))
+        wait_for(lambda: budget.held == 900, "the younger push to be staged")
+        started = time.monotonic()
+        for sock in (younger, older):  # the younger's call first: it must wait for the older's
+            body = struct.pack("<I", 5000) + struct.pack("<QQ", 1, 600 if sock is older else 300) + bytes(196)
+            sock.sendall(wire.CALL.pack(wire.CALL_TAG, 2, wire.LANE_METHODS.index("PushInline"), len(body)) + body)
+        for sock in (older, younger):
+            assert wire.REPLY.unpack(wire.recv_exactly(sock, wire.REPLY.size)) == (wire.REPLY_TAG, 2, 0, 0)
+        assert time.monotonic() - started < WAIT
+        assert claimed == [600, 300]
+        wait_for(lambda: budget.held == 0, "every push and call to be freed")
+        assert budget.peak <= 1000 + 216
+
+
 def test_a_shard_without_a_call_handler_closes_a_lane_that_sends_one():
     secret = os.urandom(32)
     with lane_server(secret) as server, lane_socket(server.port, secret, OWNER) as sock:

@@ -70,3 +70,35 @@ def test_the_oldest_transfer_is_always_admitted_so_pieces_cannot_deadlock():
     assert freed.is_set() and budget.held == 90
     young.close()
     assert budget.held == 0
+
+
+def test_a_transfer_that_completes_the_oldest_shares_its_place_so_staged_pushes_cannot_deadlock():
+    """Two pushes staged on two lanes fill the budget, and each is freed only once the call read
+    after it on its lane (budgeted too) claims it: the calls share their pushes' places in line,
+    so the older push's call goes on at once, and the younger's follows once that push is freed."""
+    budget = InflightBudget(100)
+    older, younger = budget.transfer(), budget.transfer()
+    assert younger.acquire(70, timeout=0)  # the younger took its bytes first, on an empty budget
+    assert older.acquire(70, timeout=0)  # the oldest goes on over the limit
+    younger_call = budget.transfer(completes=younger)
+    assert not younger_call.acquire(40, timeout=0.05)  # 180 > 100, and not the oldest's
+    older_call = budget.transfer(completes=older)
+    assert older_call.acquire(40, timeout=0)  # in the oldest's place: no wait
+    assert budget.held == 180
+    older_call.close()
+    older.close()  # claimed and applied
+    assert younger_call.acquire(40, timeout=0)  # 110 > 100, but now first in line
+    younger_call.close()
+    younger.close()
+    assert (budget.held, budget.peak) == (0, 180)
+
+
+def test_completing_a_closed_transfer_takes_a_place_of_its_own():
+    budget = InflightBudget(100)
+    gone, waiting = budget.transfer(), budget.transfer()
+    gone.close()
+    assert waiting.acquire(90, timeout=0)
+    late = budget.transfer(completes=gone)
+    assert not late.acquire(20, timeout=0.05)  # behind ``waiting``, which is older
+    waiting.close()
+    assert late.acquire(20, timeout=0)
