@@ -153,6 +153,19 @@ class LaneServer(LaneFrames):
         with self._lock:
             return len(self._lanes)
 
+    def close_ended(self) -> int:
+        """Close every lane whose session has ended (evicted, fenced, re-registered or left), so
+        that what it staged leaves the in-flight budget now: a frozen worker's lane would hold
+        its push until the TCP connection died, the live workers' pushes waiting behind it. The
+        shard's lease reaper calls it on every pass. Returns how many lanes it closed."""
+        with self._lock:
+            owned = [(lane, lane.owner) for lane in self._lanes.values() if lane.owner is not None and not lane.closed]
+        ended = [(lane, owner) for lane, owner in owned if self._session_secret(*owner) is None]
+        for lane, (worker_id, generation) in ended:
+            log.info("bulk lane from %s closed: session %d/%d ended", lane.peer, worker_id, generation)
+            self._kill(lane)
+        return len(ended)
+
     # -- accepting and authenticating --------------------------------------------------------
 
     def _accept(self) -> None:

@@ -93,10 +93,12 @@ class Shard:
 
 
 class _Reaper:
-    """Evicts workers whose lease expired, checking four times per lease."""
+    """Evicts workers whose lease expired, checking four times per lease, and closes the bulk
+    lanes of sessions that ended."""
 
-    def __init__(self, store: ShardStore, lease: float) -> None:
+    def __init__(self, store: ShardStore, lease: float, lanes: LaneServer | None = None) -> None:
         self._store = store
+        self._lanes = lanes
         self._period = lease / 4
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="psserver-reaper", daemon=True)
@@ -106,6 +108,8 @@ class _Reaper:
         while not self._stopped.wait(timeout=self._period):
             try:
                 self._store.evict_expired()
+                if self._lanes is not None:
+                    self._lanes.close_ended()
             except Exception:  # the reaper must outlive any one bad pass
                 log.exception("lease check failed")
 
@@ -239,7 +243,7 @@ def create_server(config: ServerConfig, *, store: ShardStore | None = None, fail
                                      tls=tls is not None, mutual=tls is not None and tls.mutual,
                                      tokens=tokens is not None):
         log.warning("%s", warning)
-    reaper = _Reaper(store, lease) if lease else None
+    reaper = _Reaper(store, lease, lanes) if lease else None
     if checkpointer is not None:
         checkpointer.start()
     return Shard(server, port, store, health_servicer, config, reaper, checkpointer, lanes, admission, servicer,

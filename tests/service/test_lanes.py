@@ -361,3 +361,35 @@ def test_pushes_in_flight_stay_within_the_budget(bulk):
         for client in clients:
             client.close()
         shard.stop(grace=0)
+
+
+def test_a_frozen_worker_s_staged_push_leaves_the_budget_when_its_lease_ends():
+    """A worker that staged a push on its lane and froze before the call that claims it holds
+    those bytes in the in-flight budget, first in line. Once its lease ends the shard closes the
+    lanes of its session, the bytes leave the budget, and a live worker's push that needed the
+    room applies (before, it waited for the frozen worker's TCP connection to die)."""
+    push_bytes = ROWS * 256 * 4 + 16
+    shard = create_server(ServerConfig(port=0, lease_timeout=1.0, max_inflight_bytes=600 << 10))
+    live, frozen = client_for(shard), client_for(shard)
+    try:
+        assert live.register(SPEC, SGD, worker_name="live", initial_values=INITIAL)
+        assert not frozen.register(SPEC, SGD, worker_name="frozen")
+        frozen._heartbeat_stop.set()
+        sock, _ = _raw_lane(shard, frozen)
+        with sock, futures.ThreadPoolExecutor(1) as pool:
+            sock.sendall(wire.PUSH.pack(wire.PUSH_TAG, 1, push_bytes) + bytes(push_bytes))
+            deadline = time.monotonic() + RPC_TIMEOUT
+            while live.status()[0].push_bytes_in_flight != push_bytes:
+                assert time.monotonic() < deadline, "the frozen worker's push was never staged"
+                time.sleep(0.01)
+            pushed = pool.submit(live.push, GRADS)  # another 512 KiB: no room beside the frozen push
+            assert pushed.result(timeout=RPC_TIMEOUT * 2)[0].version == 1
+            sock.settimeout(RPC_TIMEOUT)
+            assert sock.recv(1) == b""  # the shard closed the frozen session's lane
+        (st,) = live.status()
+        assert (st.pushes_applied, st.push_bytes_in_flight) == (1, 0)
+        assert st.workers_evicted == 1
+    finally:
+        live.close()
+        frozen.close()
+        shard.stop(grace=0)
