@@ -136,13 +136,17 @@ def test_killed_shard_and_worker_are_restarted_and_the_run_completes():
                 run.popen.wait(timeout=0.2)  # paces the loop; returns early if pscluster ends
             except subprocess.TimeoutExpired:
                 pass
-        assert max(p.values()) < STEPS * 3 // 4, f"too late to kill a worker mid-run: {p}\n{run.log()[-5000:]}"
+        # The slower worker is killed: async workers on busy cores drift apart (one was seen at
+        # 681 of 800 steps while the other was at 230), and the one killed must be mid-run.
+        slow, fast = sorted(p, key=p.get)
+        victim, survivor = (name.replace("-", "") for name in (slow, fast))  # worker-0 runs as pscluster's worker0
+        assert p[slow] < STEPS * 3 // 4, f"too late to kill a worker mid-run: {p}\n{run.log()[-5000:]}"
         pids = run.pids()
         os.kill(pids["shard1"], signal.SIGKILL)
-        os.kill(pids["worker0"], signal.SIGKILL)
+        os.kill(pids[victim], signal.SIGKILL)
         killed = time.monotonic()
         shard_back, worker_back = (
-            run.wait_for(rf"{name} recovered in ([\d.]+)s", 240)[0] for name in ("shard1", "worker0"))
+            run.wait_for(rf"{name} recovered in ([\d.]+)s", 240)[0] for name in ("shard1", victim))
         seen = time.monotonic() - killed
         code = run.finish(timeout=300)
     finally:
@@ -153,22 +157,22 @@ def test_killed_shard_and_worker_are_restarted_and_the_run_completes():
     died = "{} (pid {}) died: exit status -9 (killed by SIGKILL); restarting it (restart 1 of 3)"
     assert died.format("shard1", pids["shard1"]) + " on port" in log
     assert "with --restore from" in log and "restored checkpoint" in log
-    assert died.format("worker0", pids["worker0"]) + " with the same flags" in log
+    assert died.format(victim, pids[victim]) + " with the same flags" in log
     new = run.pids()
-    assert new["shard1"] != pids["shard1"] and new["worker0"] != pids["worker0"]
-    assert new["shard0"] == pids["shard0"] and new["worker1"] == pids["worker1"]
+    assert new["shard1"] != pids["shard1"] and new[victim] != pids[victim]
+    assert new["shard0"] == pids["shard0"] and new[survivor] == pids[survivor]
 
     summary = json.loads([line for line in run.stdout.splitlines() if line.startswith("{")][-1])
     restarts = {r["process"]: r for r in summary["restarts"]}
-    assert set(restarts) == {"shard1", "worker0"}, summary["restarts"]
+    assert set(restarts) == {"shard1", victim}, summary["restarts"]
     assert all(r["recovered_seconds"] is not None for r in restarts.values())
     per_worker = {r["worker"]: r for r in summary["per_worker"]}
-    resumed = per_worker["worker-0"]["first_step"]
+    resumed = per_worker[slow]["first_step"]
     # It went on from about where it was killed (the shards record every push), not from step 1.
-    assert resumed > STEPS // 4 and restarts["worker0"]["resumed_at_step"] == resumed
-    assert per_worker["worker-0"]["samples"] == (STEPS - resumed + 1) * 100
-    assert summary["steps"] == 2 * STEPS and per_worker["worker-1"]["first_step"] == 1
-    print(f"shard1 serving again {float(shard_back[1]):.2f}s after SIGKILL, worker0 re-registered "
+    assert resumed > STEPS // 4 and restarts[victim]["resumed_at_step"] == resumed
+    assert per_worker[slow]["samples"] == (STEPS - resumed + 1) * 100
+    assert summary["steps"] == 2 * STEPS and per_worker[fast]["first_step"] == 1
+    print(f"shard1 serving again {float(shard_back[1]):.2f}s after SIGKILL, {victim} re-registered "
           f"{float(worker_back[1]):.2f}s after (at step {resumed}); both seen back {seen:.2f}s after the kill; "
           f"run {summary['seconds']:.1f}s, test accuracy {summary['test_accuracy']:.3f}")
     # Uninterrupted runs of this job end at 0.65-0.67; the restored shard lost the updates since its checkpoint.
