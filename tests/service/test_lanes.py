@@ -26,6 +26,7 @@ from pswire.optim import OptimizerConfig
 from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psworker.client import ClientOptions, PSClient
+from tests.security.test_lanes_hardening import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -378,10 +379,8 @@ def test_a_frozen_worker_s_staged_push_leaves_the_budget_when_its_lease_ends():
         sock, _ = _raw_lane(shard, frozen)
         with sock, futures.ThreadPoolExecutor(1) as pool:
             sock.sendall(wire.PUSH.pack(wire.PUSH_TAG, 1, push_bytes) + bytes(push_bytes))
-            deadline = time.monotonic() + RPC_TIMEOUT
-            while live.status()[0].push_bytes_in_flight != push_bytes:
-                assert time.monotonic() < deadline, "the frozen worker's push was never staged"
-                time.sleep(0.01)
+            staged = lambda: live.status()[0].push_bytes_in_flight == push_bytes
+            wait_for(staged, "the frozen worker's push to be staged", RPC_TIMEOUT)
             pushed = pool.submit(live.push, GRADS)  # another 512 KiB: no room beside the frozen push
             assert pushed.result(timeout=RPC_TIMEOUT * 2)[0].version == 1
             sock.settimeout(RPC_TIMEOUT)
