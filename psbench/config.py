@@ -24,10 +24,8 @@ _NEEDS_BASELINES = ("goodput", "latency")
 METRICS_RUN_FACTOR = 1.5
 """How many times a training run's worker steps the metrics section's runs take (6 s instead of
 4): scraped once a second, a run must last several seconds for the scrapes to weigh as they
-would. The elastic section's throughput runs take as many, for a second reason: the workers'
-start-ups differ by some tenths of a second, and over a short run that skew weighs on a sum of
-the workers' throughputs differently with a static split (both workers train alone for a
-while) than with dynamic data (only the first does)."""
+would. The elastic section's throughput runs take as many, so that the window both of its
+side-by-side clusters train in (10% to 90% of their jobs) lasts some 25 seconds."""
 
 
 def _f(default, help: str):
@@ -119,7 +117,7 @@ class BenchConfig:
             # data exchanges weigh most), and the elastic job.
             elastic_training=replace(narrowest,
                                      worker_steps=round(narrowest.worker_steps * (1 if quick else METRICS_RUN_FACTOR))),
-            elastic_reps=self.reps or (1 if quick else 5),
+            elastic_reps=self.reps or (1 if quick else 6),
             elastic_job=replace(elastic_job, runs=self.reps or elastic_job.runs),
             sparse=replace(QUICK_SPARSE if quick else SPARSE, step_reps=self.reps or (1 if quick else 5),
                            dlrm_reps=self.reps or (1 if quick else 3)),
@@ -371,7 +369,7 @@ class Plan:
     elastic_training: TrainingCase
     """The model trained with dynamic data and with the static split: the narrowest."""
     elastic_reps: int
-    """Pairs of cluster runs (static, dynamic) of ``elastic_training``."""
+    """Repetitions of ``elastic_training`` by a static-split and a dynamic-data cluster side by side."""
     elastic_job: ElasticJob
     sparse: SparseBench
     scale: ScaleBench

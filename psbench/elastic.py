@@ -1,15 +1,20 @@
 """Dynamic data ("elastic workers", ``psworker.elastic``) against the static split, in one run:
 
 * throughput: the training section's smallest MLP (15K parameters, check 3b's case: 2 shards x
-  2 async workers), the workers with ``--worker-index`` (each its slice, ``worker_steps`` steps)
-  and without (leasing data tasks of 256 examples from shard 0 for a job of as many steps),
-  pairs of runs back to back, the first of each pair alternating. Throughput is in steps per
-  second, summed over the workers: in samples, the static split would lose about 1.5% to its
-  short batches (a 2000-example slice is 31 batches of 64 and one of 16; a 4000-example epoch
-  in tasks of 256 has one short batch in 63). A dynamic worker's time is its training loop less
-  its wait at the end of the job, when every task left is another worker's: it has nothing to
-  train then, like a static worker that finished first, whose idle time no figure counts. Any
-  other wait for data (a stall) counts; the figure with the end's wait counted too is beside it.
+  2 async workers), trained by two clusters at once, side by side on the same cores: one whose
+  workers have ``--worker-index`` (each its slice, ``worker_steps`` steps), one whose workers
+  have none (leasing data tasks of 256 examples from shard 0 for a job of as many steps).
+  psbench reads both clusters' steps applied (their shards' pushes) every 0.2 s, and each
+  setup's rate is its steps over the same window: from when both passed 10% of their jobs to
+  when the first reached 90% (start-ups and ends left out). Run one after the other instead,
+  the machine's speed drifted more than the 3% the check asks to see: six back-to-back
+  repetitions of the same static run measured 522-665 steps/s (the shards' and workers' CPU per
+  step 3.0-3.6 ms), and pairs' ratios spread 0.90-1.25 while side-by-side repetitions spread
+  0.98-1.01 (docs/benchmarks.md). Sharing the cores equally, each setup's rate is set by its
+  cost per step (its workers' and shards' CPU, and any stall waiting for data). Throughput is
+  in steps, not samples: the static split loses about 1.5% of its samples to short batches (a
+  2000-example slice is 31 batches of 64 and one of 16; a 4000-example epoch in tasks of 256 has
+  one short batch in 63).
 * accuracy: a mnist1d-cnn job (``psbench.config.ElasticJob``: the same examples in every run,
   Adam at a quarter of the task's learning rate, where 4 async workers end calm) trained by
   4 static and by 4 dynamic workers, 5 runs each with seeds 0 to 4 (a run of each setup per
@@ -36,12 +41,12 @@
 Every run has shards of its own, started before the clock starts: a job's data queue, once
 done, stays done. All processes share this machine's cores.
 
-How long, on 2 cores: 12-15 minutes. The throughput pairs take 1-2 minutes (10 runs of 2 workers,
-5-9 s of training each, with start-ups). The 10 accuracy jobs take about 7 (22-26 s of training
-each at 30 ms a step). The 6 CPU-bound jobs take about 2 (4-10 s each), and the 4 emulated ones
-at ``--slowdown`` 2-3 (the 4-worker job at about twice the CPU-bound one's time, the 2-worker
-job at four times).
-``--quick`` (1 pair of short runs; 2 static and 2 dynamic workers on a 100-step job at 5 ms a
+How long, on 2 cores: 12-15 minutes. The throughput repetitions take 3-4 minutes (5 of them,
+both clusters at once, 35-45 s each with start-ups). The 10 accuracy jobs take about 7 (22-26 s
+of training each at 30 ms a step). The 6 CPU-bound jobs take about 2 (4-10 s each), and the 4
+emulated ones at ``--slowdown`` 2-3 (the 4-worker job at about twice the CPU-bound one's time,
+the 2-worker job at four times).
+``--quick`` (1 side-by-side repetition of short runs; 2 static and 2 dynamic workers on a 100-step job at 5 ms a
 step, then 2 and 1 dynamic workers CPU-bound and emulated): about a minute.
 """
 
@@ -60,11 +65,11 @@ from psbench.config import ElasticJob, TrainingCase
 from psbench.procs import Child, ChildError, Children
 from psbench.ps import start_shards
 from psbench.stats import median, median_ratio
-from psbench.training import BATCH_SIZE, cluster_fields, run_cluster, worker_result
+from psbench.training import BATCH_SIZE, cluster_fields, start_worker, worker_result
 from psbench.tasks import CNN_DEFAULTS
 
-__all__ = ["CNN_TASK", "ElasticThroughput", "JobRun", "busy_rate", "job_seconds", "measure_elastic_jobs",
-           "measure_elastic_throughput", "spread", "started_at"]
+__all__ = ["CNN_TASK", "ElasticThroughput", "JobRun", "job_seconds", "measure_elastic_jobs",
+           "measure_elastic_throughput", "spread", "started_at", "window_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +79,6 @@ _LOG_STARTS = ("--log-level", "INFO")  # for the "starts at step 1" lines; both 
 _CNN_FLAGS = ("--threads", "1", "--device", "cpu", "--progress", "none", *_LOG_STARTS)
 # psworker.training logs this (at INFO) just before its training loop's clock starts.
 _STARTS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ psworker\[\d+\] .* starts at step 1\b", re.M)
-
-
-def busy_rate(result: dict) -> float:
-    """A worker's steps per second of its training loop less its wait for data at the end of a
-    dynamic-data job (none with a static split)."""
-    waited = (result.get("data") or {}).get("wait_seconds", 0.0)
-    return result["steps"] / max(result["seconds"] - waited, 1e-9)
 
 
 def started_at(log_path: Path) -> float:
@@ -111,11 +109,6 @@ def _starts(logs: list[Path]) -> list[float]:
         raise ChildError(str(exc)) from None
 
 
-def _skew(logs: list[Path]) -> float:
-    starts = _starts(logs)
-    return max(starts) - min(starts)
-
-
 def spread(values: list[float]) -> dict:
     """Mean, sample standard deviation (None for one value), min and max."""
     mean = sum(values) / len(values)
@@ -125,86 +118,158 @@ def spread(values: list[float]) -> dict:
 
 # -- throughput ----------------------------------------------------------------------------------
 
+WINDOW = (0.1, 0.9)
+"""The throughput window: from when both setups have applied this fraction of their jobs' steps
+to when the first of them reaches the second (start-ups and the ends left out)."""
+POLL_SECONDS = 0.2
+"""How often the throughput runs read each setup's shards."""
+
+
 @dataclass(frozen=True)
 class ElasticThroughput:
-    """Cluster runs of one model with the static split and with dynamic data, one of each per
-    repetition."""
+    """Cluster runs of one model with the static split and with dynamic data side by side, one
+    of each per repetition, each setup's steps per second over the window both share."""
 
     case: TrainingCase
+    static_rates: list[float]
+    """Per repetition, the static split's steps per second (all its workers) in the window."""
+    dynamic_rates: list[float]
+    window_seconds: list[float]
     static: list[list[dict]]
     """Per repetition, every static worker's result line."""
     dynamic: list[list[dict]]
     """Per repetition, every dynamic worker's result line."""
-    static_skew_seconds: list[float]
-    """Per repetition, how much later than the first the last static worker started training."""
-    dynamic_skew_seconds: list[float]
     workers: int
     shards: int
 
     @property
     def ratio(self) -> float:
-        """The median over repetitions of the dynamic run against the static run of the same
-        repetition (run back to back)."""
-        return median_ratio(_rates(self.dynamic), _rates(self.static))
+        """The median over repetitions of the dynamic setup's rate against the static one's,
+        measured over the same seconds."""
+        return median_ratio(self.dynamic_rates, self.static_rates)
 
     def to_dict(self) -> dict:
-        dynamic_with_wait = [sum(w["steps"] / w["seconds"] for w in rep if w["seconds"] > 0) for rep in self.dynamic]
         data = [w["data"] for rep in self.dynamic for w in rep]
         return {
             **cluster_fields(self.case, self.shards, self.workers),
             "data_task_size": data[0]["job"]["task_size"],
-            "static_steps_per_second": median(_rates(self.static)),
-            "dynamic_steps_per_second": median(_rates(self.dynamic)),
+            "measured": "side by side",
+            "window": list(WINDOW),
+            "static_steps_per_second": median(self.static_rates),
+            "dynamic_steps_per_second": median(self.dynamic_rates),
             "ratio": self.ratio,
-            # As the workers report it: samples over their whole training loop.
+            "static_reps": self.static_rates,
+            "dynamic_reps": self.dynamic_rates,
+            "window_seconds": self.window_seconds,
+            # As the workers report them: samples over their whole training loops, which the
+            # other setup's workers shared for all but the ends.
             "static_samples_per_second": median([sum(w["samples_per_second"] for w in rep) for rep in self.static]),
             "dynamic_samples_per_second": median([sum(w["samples_per_second"] for w in rep) for rep in self.dynamic]),
-            "static_reps": _rates(self.static),
-            "dynamic_reps": _rates(self.dynamic),
-            # The same runs with each dynamic worker's wait at the job's end counted in its time.
-            "dynamic_reps_with_end_wait": dynamic_with_wait,
-            "ratio_with_end_wait": median_ratio(dynamic_with_wait, _rates(self.static)),
             "dynamic_wait_seconds": [[w["data"]["wait_seconds"] for w in rep] for rep in self.dynamic],
             "dynamic_data_tasks": [[w["data"]["tasks"] for w in rep] for rep in self.dynamic],
-            "static_start_skew_seconds": self.static_skew_seconds,
-            "dynamic_start_skew_seconds": self.dynamic_skew_seconds,
         }
 
 
-def _rates(reps: list[list[dict]]) -> list[float]:
-    return [sum(busy_rate(w) for w in rep) for rep in reps]
+def window_rates(readings: Sequence[tuple[float, int, int]], job_steps: int) -> tuple[float, float, float]:
+    """Two setups' steps per second over the window they share: ``readings`` are ``(time,
+    steps applied by the first setup, by the second)``, taken together, in order. The window runs
+    from the first reading where both setups are past ``WINDOW[0]`` of ``job_steps`` to the last
+    reading (the polling stops once either passes ``WINDOW[1]``). Returns ``(first setup's rate,
+    second's, the window's seconds)``. Raises ``ValueError`` when fewer than two readings fall
+    in the window (the jobs too short for the polling, or one setup so far behind that the
+    other was near its end before it started)."""
+    start = next((r for r in readings if min(r[1], r[2]) >= WINDOW[0] * job_steps), None)
+    end = readings[-1] if readings else None
+    if start is None or end is None or end[0] <= start[0]:
+        raise ValueError(f"no window where both setups were between {WINDOW[0]:.0%} and {WINDOW[1]:.0%} of their "
+                         f"{job_steps}-step jobs in {len(readings)} readings")
+    seconds = end[0] - start[0]
+    return (end[1] - start[1]) / seconds, (end[2] - start[2]) / seconds, seconds
+
+
+def _steps_applied(admin) -> int:
+    # Every step pushes to each shard holding a part of the model, once: the steps applied are
+    # the most pushes any shard applied (dynamic data's exchanges are not pushes).
+    return max(s.pushes_applied for s in admin.status())
 
 
 def measure_elastic_throughput(
     children: Children, case: TrainingCase, *, reps: int, shards: int = 2, workers: int = 2, timeout: float = 600.0,
 ) -> ElasticThroughput:
-    """``reps`` cluster runs of ``case`` with the static split and ``reps`` with dynamic data
-    (``shards`` shards and ``workers`` async workers, fresh shards for every run), back to back,
-    the first of each pair alternating. Raises ``ChildError``."""
-    runs: dict[bool, list[list[dict]]] = {False: [], True: []}
-    skews: dict[bool, list[float]] = {False: [], True: []}
+    """``reps`` repetitions of ``case`` trained by two clusters at once, each of ``shards``
+    fresh shards and ``workers`` async workers: one with the static split, one with dynamic
+    data. Their workers start interleaved, the first of each pair alternating, and psbench
+    reads both clusters' shards every ``POLL_SECONDS``. Each setup's rate is its steps applied
+    over the same window (:func:`window_rates`), so that whatever the machine's load does to
+    one setup it does to the other: run one after the other, the same static run measured
+    522-665 steps/s over six back-to-back repetitions. Raises ``ChildError``."""
+    from psworker.admin import AdminClient
+    from psworker.options import ClientOptions
+
+    job_steps = workers * case.worker_steps
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    results: dict[bool, list[list[dict]]] = {False: [], True: []}
+    windows: list[float] = []
     for rep in range(reps):
-        for dynamic in ((False, True) if rep % 2 == 0 else (True, False)):
-            started = start_shards(children, shards)
-            logs: list[Path] = []
-            try:
-                ps = ",".join(address for _, address in started)
-                runs[dynamic].append(run_cluster(children, case, ps, workers=workers, timeout=timeout, run=rep,
-                                                 extra=_LOG_STARTS, dynamic=dynamic,
-                                                 started=lambda child: logs.append(child.log_path)))
-            finally:
-                for child, _ in started:
+        order = (False, True) if rep % 2 == 0 else (True, False)
+        started: dict[bool, list[tuple[Child, str]]] = {}
+        admins: dict = {}
+        running: dict[bool, list[Child]] = {False: [], True: []}
+        try:
+            for dynamic in order:
+                started[dynamic] = start_shards(children, shards)
+                admins[dynamic] = AdminClient.connected([address for _, address in started[dynamic]],
+                                                        ClientOptions(timeout=60.0, connect_timeout=60.0))
+            for i in range(workers):
+                for dynamic in (order if i % 2 == 0 else order[::-1]):
+                    ps = ",".join(address for _, address in started[dynamic])
+                    running[dynamic].append(start_worker(children, case, ps, i, workers=workers, run=rep,
+                                                         dynamic=dynamic))
+            readings = _poll(admins, running, job_steps, timeout)
+            for dynamic in order:
+                results[dynamic].append([worker_result(child, timeout) for child in running[dynamic]])
+        finally:
+            for child in running[False] + running[True]:
+                children.stop(child)
+            for admin in admins.values():
+                admin.close()
+            for shards_of_setup in started.values():
+                for child, _ in shards_of_setup:
                     children.stop(child)
-            skews[dynamic].append(_skew(logs))
-        log.info("mlp%d rep %d: static %.0f steps/s, dynamic %.0f steps/s", case.width, rep + 1,
-                 _rates(runs[False][-1:])[0], _rates(runs[True][-1:])[0])
-    result = ElasticThroughput(case, runs[False], runs[True], skews[False], skews[True], workers, shards)
-    for rep in runs[True]:
+        try:
+            static, dynamic, seconds = window_rates(readings, job_steps)
+        except ValueError as exc:
+            raise ChildError(f"mlp{case.width} rep {rep + 1}: {exc}") from None
+        rates[False].append(static)
+        rates[True].append(dynamic)
+        windows.append(seconds)
+        log.info("mlp%d rep %d, side by side over %.1f s: static %.0f steps/s, dynamic %.0f steps/s",
+                 case.width, rep + 1, seconds, static, dynamic)
+    for rep in results[True]:
         examples = sum(w["data"]["examples"] for w in rep)
-        if examples != workers * case.worker_steps * BATCH_SIZE:
+        if examples != job_steps * BATCH_SIZE:
             raise ChildError(f"the dynamic workers trained {examples} examples of a job of "
-                             f"{workers * case.worker_steps * BATCH_SIZE}: {rep}")
-    return result
+                             f"{job_steps * BATCH_SIZE}: {rep}")
+    return ElasticThroughput(case, rates[False], rates[True], windows, results[False], results[True], workers, shards)
+
+
+def _poll(admins: dict, running: dict[bool, list[Child]], job_steps: int, timeout: float) -> list[tuple[float, int, int]]:
+    """Read both setups' steps applied every ``POLL_SECONDS`` until either passes ``WINDOW[1]``
+    of its job or a worker exits. Raises ``ChildError`` past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    readings: list[tuple[float, int, int]] = []
+    while True:
+        before = time.monotonic()
+        static, dynamic = _steps_applied(admins[False]), _steps_applied(admins[True])
+        readings.append(((before + time.monotonic()) / 2, static, dynamic))
+        if max(static, dynamic) >= WINDOW[1] * job_steps:
+            return readings
+        for child in running[False] + running[True]:
+            if child.popen.poll() is not None:
+                return readings  # its result line (or failure) is read next
+        if time.monotonic() > deadline:
+            raise ChildError(f"the side-by-side runs did not reach {WINDOW[1]:.0%} of their jobs within {timeout:.0f}s")
+        time.sleep(POLL_SECONDS)
 
 
 # -- the mnist1d-cnn job: accuracy and scaling -------------------------------------------------------

@@ -20,7 +20,7 @@ from psbench.procs import Child, Children
 from psbench.ps import start_shards
 from psbench.stats import median
 
-__all__ = ["TrainingResult", "measure_training", "run_cluster", "run_local", "worker_result"]
+__all__ = ["TrainingResult", "measure_training", "run_cluster", "run_local", "start_worker", "worker_result"]
 
 log = logging.getLogger(__name__)
 
@@ -117,32 +117,40 @@ def run_local(children: Children, case: TrainingCase, *, timeout: float) -> dict
         children.stop(child)
 
 
-def run_cluster(
-    children: Children, case: TrainingCase, ps: str, *, workers: int, timeout: float, run: int = 0,
-    extra: Sequence[str] = (), started: Callable[[Child], None] | None = None, dynamic: bool = False,
-) -> list[dict]:
-    """``workers`` async workers started together against the shards at ``ps``, with ``extra``
-    flags (``--tls-ca ...``); ``started`` is told of each worker as it starts. Returns every
-    worker's result line. Raises ``ChildError`` when a worker fails or runs past ``timeout``.
-
-    Each worker trains ``case.worker_steps`` steps of its slice of a static split, or with
-    ``dynamic`` the workers have no index and lease the job's data (``psworker.elastic``) from
+def start_worker(
+    children: Children, case: TrainingCase, ps: str, index: int, *, workers: int, run: int = 0,
+    extra: Sequence[str] = (), dynamic: bool = False,
+) -> Child:
+    """Start worker ``index`` of ``workers`` async workers of ``case`` against the shards at
+    ``ps``, with ``extra`` flags (``--tls-ca ...``): ``case.worker_steps`` steps of its slice of a
+    static split, or with ``dynamic`` no index, leasing the job's data (``psworker.elastic``) from
     shard 0 until the job, ``workers * case.worker_steps`` steps long, is done: the same examples
     in all. A job's data queue, once done, stays done: dynamic runs need shards of their own.
 
     Worker names carry ``run``: a worker joining under a name the shards know resumes that
     worker's recorded progress, and one that had finished would have no steps left to time."""
+    place = (("--steps", str(case.worker_steps * workers)) if dynamic else
+             ("--worker-index", str(index), "--num-workers", str(workers), "--steps", str(case.worker_steps)))
+    return children.start_module(
+        f"worker{index}-mlp{case.width}{'-dynamic' if dynamic else ''}", "psworker", "--ps", ps,
+        "--task", case.task, *place,
+        "--worker-name", f"psbench-run{run}-{case.wire_dtype}-worker{index}", "--wire-dtype", case.wire_dtype,
+        *_COMMON, *extra, separate_stdout=True,
+    )
+
+
+def run_cluster(
+    children: Children, case: TrainingCase, ps: str, *, workers: int, timeout: float, run: int = 0,
+    extra: Sequence[str] = (), started: Callable[[Child], None] | None = None, dynamic: bool = False,
+) -> list[dict]:
+    """``workers`` async workers (:func:`start_worker`) started together against the shards at
+    ``ps``; ``started`` is told of each worker as it starts. Returns every worker's result line.
+    Raises ``ChildError`` when a worker fails or runs past ``timeout``."""
     running: list[Child] = []
     try:
         for i in range(workers):
-            place = (("--steps", str(case.worker_steps * workers)) if dynamic else
-                     ("--worker-index", str(i), "--num-workers", str(workers), "--steps", str(case.worker_steps)))
-            running.append(children.start_module(
-                f"worker{i}-mlp{case.width}{'-dynamic' if dynamic else ''}", "psworker", "--ps", ps,
-                "--task", case.task, *place,
-                "--worker-name", f"psbench-run{run}-{case.wire_dtype}-worker{i}", "--wire-dtype", case.wire_dtype,
-                *_COMMON, *extra, separate_stdout=True,
-            ))
+            running.append(start_worker(children, case, ps, i, workers=workers, run=run, extra=extra,
+                                        dynamic=dynamic))
             if started is not None:
                 started(running[-1])
         return [worker_result(child, timeout) for child in running]

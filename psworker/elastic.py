@@ -45,17 +45,20 @@ if TYPE_CHECKING:
 
 __all__ = ["DataFeed", "ElasticSampler", "LEASE_AHEAD_SECONDS", "Lease", "default_task_size", "epoch_order"]
 
-LEASE_AHEAD_SECONDS = 0.05
+LEASE_AHEAD_SECONDS = 0.15
 """A worker leases enough tasks ahead to train this long (at least ``DataFeed``'s ``prefetch``, at
 most what a worker may hold, and no more than its share of the tasks left): fast steps then ask
-for data less often. Measured on the 15K MLP, 2 workers x 2 shards, dynamic / static data:
-0.91 with two tasks ahead, 0.95 with six (docs/benchmarks.md). Up to 31 ahead since a worker
-may hold 32 tasks: a 15K MLP's 3 ms tasks lease about 17 at a time. Not longer than 0.05 s:
-every task a worker holds spreads the job's order over more of the epochs (tasks of later
-epochs trained beside earlier ones). On a small dataset 0.2 s (5 tasks ahead for
-mnist1d-cnn's 43 ms tasks, 4 workers holding some 1.8 of its 4,000-example epochs) ended the
-job a median 1.7 points lower than 0.05 s over 6 seeds, within the runs' noise but in the
-direction the mechanism predicts (docs/benchmarks.md)."""
+for data less often. Every exchange costs a call of the worker and of shard 0 whatever it
+leases, and on the 15K MLP (whose whole model lives on shard 0, beside the queue) that is what
+dynamic data costs: psbench's side-by-side runs measured dynamic / static at a median
+0.96 with 0.05 s (two tasks ahead, at the 28 ms a task takes there) and 1.00 with 0.15 s (six),
+docs/benchmarks.md. Up to 31 ahead since a worker may hold 32 tasks. Not longer: every task a
+worker holds spreads the job's order over more of the epochs (tasks of later epochs trained
+beside earlier ones). On a small dataset 0.2 s (5 tasks ahead for mnist1d-cnn's 43 ms tasks, 4
+workers holding some 1.8 of its 4,000-example epochs) ended the job a median 1.7 points lower
+than 0.05 s over 6 seeds, within the runs' noise but in the direction the mechanism predicts; at
+0.15 s those tasks lease 4 ahead, and tasks of 0.1 s or longer (psbench's accuracy runs) lease
+``prefetch`` as before."""
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,10 @@ class DataFeed:
         """Tasks finished, and examples trained, by this worker."""
         self.wait_seconds = 0.0
         """Time :meth:`next_task` spent waiting for a task to come free."""
+        self.stalls = 0
+        self.stall_seconds = 0.0
+        """Exchanges :meth:`next_task` made itself, having no task ready (the prefetch late or
+        none free), and the time they took."""
         self.current: tuple[Lease, int] | None = None
         """The task in training and how many of its examples are trained (kept by the caller,
         for :meth:`close`)."""
@@ -163,8 +170,11 @@ class DataFeed:
                 if fenced:
                     self._session.rejoin()
                     continue
+                exchanged_from = time.monotonic()
                 self._exchange(target=1 + self._ahead())
                 with self._lock:
+                    self.stall_seconds += time.monotonic() - exchanged_from
+                    self.stalls += 1
                     if self._ready or self._fenced:
                         continue
                     if self._finished or not wait:

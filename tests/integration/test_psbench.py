@@ -177,11 +177,10 @@ def test_the_benchmark_cnn_is_psworkers_mnist1d_cnn():
 # The elastic section's pure parts (no processes): they would sit with tests/unit/test_psbench.py.
 
 def test_elastic_figures_from_result_lines(tmp_path):
-    from psbench.elastic import busy_rate, job_seconds, spread, started_at
+    from psbench.elastic import job_seconds, spread, started_at
 
     static = {"steps": 100, "samples": 6400, "seconds": 2.0}
     dynamic = {"steps": 100, "samples": 6400, "seconds": 2.5, "data": {"wait_seconds": 0.5}}
-    assert busy_rate(static) == busy_rate(dynamic) == 50.0  # the wait at the job's end is idle time
     # The job runs from the first worker's first step to the last one's last task; a worker that
     # started when every task was taken is no part of it.
     idle = {"samples": 0, "seconds": 0.01, "data": {"wait_seconds": 0.0}}
@@ -198,6 +197,19 @@ def test_elastic_figures_from_result_lines(tmp_path):
         started_at(logs["none"])
 
 
+def test_side_by_side_rates_use_the_window_both_setups_share():
+    from psbench.elastic import window_rates
+
+    # (time, static steps, dynamic steps) of a 1,000-step job: the window opens at the first
+    # reading where both passed 100 steps and closes at the last reading.
+    readings = [(0.0, 0, 0), (1.0, 150, 20), (2.0, 300, 120), (3.0, 450, 240), (4.0, 600, 360), (5.0, 900, 480)]
+    static, dynamic, seconds = window_rates(readings, 1000)
+    assert (static, dynamic, seconds) == (pytest.approx(200.0), pytest.approx(120.0), 3.0)
+    for short in ([], [(0.0, 0, 0), (1.0, 950, 50)], [(0.0, 0, 0), (1.0, 950, 150)]):
+        with pytest.raises(ValueError, match="no window where both setups"):
+            window_rates(short, 1000)
+
+
 @pytest.mark.parametrize(("ratio", "difference", "scaling", "passed"), [
     (1.01, -0.4, 0.8, (True, True, True, True)),
     (0.95, 2.0, 1.0, (False, False, False, False)),
@@ -210,8 +222,7 @@ def test_elastic_checks(ratio, difference, scaling, passed):
     elastic = {
         "throughput": {"width": 100, "parameters": 15_210, "shards": 2, "workers": 2, "ratio": ratio,
                        "static_steps_per_second": 100.0, "dynamic_steps_per_second": 100.0 * ratio,
-                       "static_samples_per_second": 6400.0, "dynamic_samples_per_second": 6400.0 * ratio,
-                       "dynamic_reps_with_end_wait": [90.0], "ratio_with_end_wait": 0.9 * ratio},
+                       "static_samples_per_second": 6400.0, "dynamic_samples_per_second": 6400.0 * ratio},
         "accuracy": {"task": "mnist1d-cnn", "shards": 1, "workers": 4, "job_steps": 2400, "runs": 3,
                      "static": side, "dynamic": side, "difference_points": difference,
                      "difference_stderr_points": 0.82, "compute_ms": 30.0, "static_seconds": 22.0,
