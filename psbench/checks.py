@@ -172,7 +172,9 @@ def _elastic_accuracy(results: dict) -> Check:
 
 
 def _job_time(results: dict, key: str, check_id: str, *, emulated: bool) -> Check:
-    """8c (``scaling``) and 8d (``emulated``): the job's time with more dynamic workers against fewer."""
+    """8d (``emulated``): the job's time with more dynamic workers against fewer. The same job
+    CPU-bound (``scaling``) is reported, not checked: on 2 cores two CPU-bound workers already
+    fill the machine, and 4 / 2 measured 0.83-1.27 over a dozen runs, noise about 1."""
     figures = (results.get("elastic") or {}).get(key)
     more, fewer = (figures["workers"], figures["fewer"]) if figures else (4, 2)
     name = f"job time, {more} dynamic workers < 1 x {fewer}" + (", emulated accelerators" if emulated else "")
@@ -252,7 +254,6 @@ _CHECKS: tuple[Callable[[dict], Check], ...] = (
     _metrics,
     _elastic_throughput,
     _elastic_accuracy,
-    lambda r: _job_time(r, "scaling", "8c", emulated=False),
     lambda r: _job_time(r, "emulated", "8d", emulated=True),
     _sparse_steps,
     _sparse_cluster,

@@ -204,7 +204,7 @@ class ElasticJob:
     finished within 0.2 s of each other, and the comparison is of the data alone
     (docs/benchmarks.md, runs of 2026-11-27)."""
     scaling_runs: int = 3
-    """Runs of the job, CPU-bound, by ``workers`` and by ``fewer`` dynamic workers (check 8c)."""
+    """Runs of the job, CPU-bound, by ``workers`` and by ``fewer`` dynamic workers (reported beside check 8d)."""
     emulated_slowdown: float = 4.0
     """The scaling figure with emulated accelerators: every worker's step is stretched to this
     many times its length by a sleep (``psworker --slowdown``), so that a worker's compute is

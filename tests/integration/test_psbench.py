@@ -129,7 +129,7 @@ def test_quick_run_reports_every_section(tmp_path):
     assert scale["cpu_fit"] is None  # one model and shard count: no fit to make
 
     checks = {c["id"]: c for c in doc["checks"]}
-    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8c", "8d", "9", "9b", "10"}
+    assert set(checks) == {"1", "2", "2b", "3", "3b", "3c", "4", "5", "6", "7", "8", "8b", "8d", "9", "9b", "10"}
     assert all(isinstance(c["passed"], bool) for c in checks.values()), checks
 
     env = doc["environment"]
@@ -211,8 +211,8 @@ def test_side_by_side_rates_use_the_window_both_setups_share():
 
 
 @pytest.mark.parametrize(("ratio", "difference", "scaling", "passed"), [
-    (1.01, -0.4, 0.8, (True, True, True, True)),
-    (0.95, 2.0, 1.0, (False, False, False, False)),
+    (1.01, -0.4, 0.8, (True, True, True)),
+    (0.95, 2.0, 1.0, (False, False, False)),
 ])
 def test_elastic_checks(ratio, difference, scaling, passed):
     from psbench.checks import compute_checks
@@ -233,10 +233,11 @@ def test_elastic_checks(ratio, difference, scaling, passed):
                      "fewer_seconds": 20.0, "ratio": scaling},
     }
     checks = {c.id: c for c in compute_checks({"elastic": elastic})}
-    assert (checks["8"].passed, checks["8b"].passed, checks["8c"].passed, checks["8d"].passed) == passed
+    assert (checks["8"].passed, checks["8b"].passed, checks["8d"].passed) == passed
+    assert "8c" not in checks  # CPU-bound on 2 cores, the scaling figure is reported, not checked
     assert "emulated accelerators" in checks["8d"].name and "x4 by a sleep" in checks["8d"].detail
-    assert checks["8b"].value == abs(difference) and checks["8c"].comparison == "<"
-    assert "4 dynamic vs 4 static" in checks["8b"].name and "4 dynamic workers < 1 x 2" in checks["8c"].name
+    assert checks["8b"].value == abs(difference) and checks["8d"].comparison == "<"
+    assert "4 dynamic vs 4 static" in checks["8b"].name and "4 dynamic workers < 1 x 2" in checks["8d"].name
     table = "\n".join(_elastic(elastic))
     assert f"{difference:+.2f} points (+- 0.82)" in table and "4 / 2 =" in table and "emulated accelerators" in table
     assert "30 ms emulated compute a step" in table
