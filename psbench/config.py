@@ -25,7 +25,7 @@ METRICS_RUN_FACTOR = 1.5
 """How many times a training run's worker steps the metrics section's runs take (6 s instead of
 4): scraped once a second, a run must last several seconds for the scrapes to weigh as they
 would. The elastic section's throughput runs take as many, so that the window both of its
-side-by-side clusters train in (10% to 90% of their jobs) lasts some 25 seconds."""
+side-by-side clusters train in (10% to 90% of their jobs) lasts some 35 seconds."""
 
 
 def _f(default, help: str):

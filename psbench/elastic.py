@@ -9,12 +9,13 @@
   when the first reached 90% (start-ups and ends left out). Run one after the other instead,
   the machine's speed drifted more than the 3% the check asks to see: six back-to-back
   repetitions of the same static run measured 522-665 steps/s (the shards' and workers' CPU per
-  step 3.0-3.6 ms), and pairs' ratios spread 0.90-1.25 while side-by-side repetitions spread
-  0.98-1.01 (docs/benchmarks.md). Sharing the cores equally, each setup's rate is set by its
-  cost per step (its workers' and shards' CPU, and any stall waiting for data). Throughput is
-  in steps, not samples: the static split loses about 1.5% of its samples to short batches (a
-  2000-example slice is 31 batches of 64 and one of 16; a 4000-example epoch in tasks of 256 has
-  one short batch in 63).
+  step 3.0-3.6 ms), and pairs' ratios spread 0.90-1.25, where side-by-side repetitions spread
+  0.95-1.12 (docs/benchmarks.md). Sharing the cores, each setup's rate is set by its cost per
+  step (its workers' and shards' CPU, and any stall waiting for data). The cluster started
+  second tends to run a little ahead, so the repetitions alternate which starts first.
+  Throughput is in steps, not samples: the static split loses about 1.5% of its samples to
+  short batches (a 2000-example slice is 31 batches of 64 and one of 16; a 4000-example epoch
+  in tasks of 256 has one short batch in 63).
 * accuracy: a mnist1d-cnn job (``psbench.config.ElasticJob``: the same examples in every run,
   Adam at a quarter of the task's learning rate, where 4 async workers end calm) trained by
   4 static and by 4 dynamic workers, 5 runs each with seeds 0 to 4 (a run of each setup per
@@ -41,8 +42,8 @@
 Every run has shards of its own, started before the clock starts: a job's data queue, once
 done, stays done. All processes share this machine's cores.
 
-How long, on 2 cores: 12-15 minutes. The throughput repetitions take 3-4 minutes (5 of them,
-both clusters at once, 35-45 s each with start-ups). The 10 accuracy jobs take about 7 (22-26 s
+How long, on 2 cores: 15-17 minutes. The throughput repetitions take about 6 minutes (6 of them,
+both clusters at once, about a minute each with start-ups). The 10 accuracy jobs take about 7 (22-26 s
 of training each at 30 ms a step). The 6 CPU-bound jobs take about 2 (4-10 s each), and the 4
 emulated ones at ``--slowdown`` 2-3 (the 4-worker job at about twice the CPU-bound one's time,
 the 2-worker job at four times).
