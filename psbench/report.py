@@ -7,7 +7,6 @@ import json
 import os
 from pathlib import Path
 
-from psbench.stats import median
 from pswire.files import write_atomically
 
 __all__ = ["render", "write_json"]

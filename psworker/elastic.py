@@ -51,8 +51,8 @@ most what a worker may hold, and no more than its share of the tasks left): fast
 for data less often. Every exchange costs a call of the worker and of shard 0 whatever it
 leases, and on the 15K MLP (whose whole model lives on shard 0, beside the queue) that is what
 dynamic data costs: psbench's side-by-side runs measured dynamic / static at a median
-0.96 with 0.05 s (two tasks ahead, at the 28 ms a task takes there) and 1.00 with 0.15 s (six),
-docs/benchmarks.md. Up to 31 ahead since a worker may hold 32 tasks. Not longer: every task a
+0.96 with 0.05 s (two tasks ahead, at the 28 ms a task takes there) and 0.98-1.00 with 0.15 s
+(six), docs/benchmarks.md. Up to 31 ahead since a worker may hold 32 tasks. Not longer: every task a
 worker holds spreads the job's order over more of the epochs (tasks of later epochs trained
 beside earlier ones). On a small dataset 0.2 s (5 tasks ahead for mnist1d-cnn's 43 ms tasks, 4
 workers holding some 1.8 of its 4,000-example epochs) ended the job a median 1.7 points lower
