@@ -228,7 +228,11 @@ def test_a_worker_added_while_the_job_runs_joins_takes_data_and_leaves_when_scal
 def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ray_cluster, tmp_path):
     node = ray_cluster.nodes[3]  # machine D: a worker slot, no shard
     # A worker on every node: one of them on D.
-    job = pscluster(ray_cluster, tmp_path, "--workers", "4", "--shard-arg=--lease-timeout=3", "--tls")
+    # Adam at a quarter of the task's 1e-2 (a worker flag): at 1e-2, four async workers now and
+    # then kill every ReLU early and never learn (accuracy 0.096 in CI at 52ccb9b; about 1 run in
+    # 25 in psbench.config.ElasticJob's runs). At 2.5e-3 the same job by hand ended at 0.915, 0.916.
+    job = pscluster(ray_cluster, tmp_path, "--workers", "4", "--lr", "2.5e-3", "--shard-arg=--lease-timeout=3",
+                    "--tls")
     try:
         runs_on = job.wait_for(rf"(worker-\d+) runs on {re.escape(node.address)} ", timeout=120)[1]
         job.wait_for(rf"\[{runs_on}\].* step \d+", timeout=60)
@@ -243,8 +247,7 @@ def test_a_node_that_goes_away_takes_only_its_worker_and_no_data_task_is_lost(ra
     # The lost worker's task went back to the queue and was trained by the others.
     assert summary["data"]["tasks_requeued"] >= 1, summary["data"]
     assert [r["process"] for r in summary["restarts"]] == [runs_on], summary["restarts"]
-    # Four async workers (three after the loss) train this task to 0.83-0.93 from seed to seed
-    # beside CI's load (docs/benchmarks.md, check 8b), below the two-worker jobs' 0.88 bar.
+    # Three async workers after the loss, beside CI's load: a band below the two-worker jobs' 0.88.
     assert summary["test_accuracy"] >= 0.80, summary
     # Mutual TLS across the nodes: a certificate naming every node's address, from the run directory.
     assert "TLS is off" not in job.log()
