@@ -94,16 +94,22 @@ def _views(snapshot: PullSnapshot) -> list[memoryview]:
     return [array_bytes(p.value) for p in snapshot.parts if p.value is not None]
 
 
-def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+def _status(exc: Exception) -> grpc.StatusCode | None:
+    """The status a domain error is answered with (None: not one of ours, a bug)."""
     for cls in type(exc).__mro__:
         code = STATUS_CODES.get(cls)
         if code is not None:
-            if isinstance(exc, errors.OverloadedError):
-                context.set_trailing_metadata((RETRYABLE,))
-            context.abort(code, str(exc))
-    if isinstance(exc, ValueError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    raise exc
+            return code
+    return grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else None
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    code = _status(exc)
+    if code is None:
+        raise exc
+    if isinstance(exc, errors.OverloadedError):
+        context.set_trailing_metadata((RETRYABLE,))
+    context.abort(code, str(exc))
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
@@ -212,24 +218,34 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def PushPull(self, request: ps_pb2.PushPullRequest, context: grpc.ServicerContext) -> ps_pb2.PushPullResponse:
         asked = None
-        if request.HasField("rows"):
-            # Checked before the push, so that a read this shard would refuse applies nothing.
-            try:
-                header, rows = request.push.header, request.rows
-                if (rows.worker_id, rows.generation, rows.session) != (header.worker_id, header.generation,
-                                                                       header.session):
+        header = request.push.header
+        # Checked before the push, so that a read this shard would refuse applies nothing.
+        try:
+            for name in ("rows", "data"):
+                extra = getattr(request, name)
+                if request.HasField(name) and (extra.worker_id, extra.generation, extra.session) != (
+                        header.worker_id, header.generation, header.session):
                     raise errors.InvalidArgumentError(
-                        f"a push-and-pull's rows are read by worker {rows.worker_id}/{rows.generation}, its push is "
+                        f"a push-and-pull's {name} name worker {extra.worker_id}/{extra.generation}, its push is "
                         f"worker {header.worker_id}/{header.generation}'s: they must be the same registration"
                     )
-                asked = self._rows_asked(rows)
+            if request.HasField("rows"):
+                asked = self._rows_asked(request.rows)
                 self._store.check_rows(asked)
-            except (errors.PSError, ValueError) as exc:
-                _abort(context, exc)
+        except (errors.PSError, ValueError) as exc:
+            _abort(context, exc)
         pushed = self.PushInline(request.push, context)
         reply = ps_pb2.PushPullResponse(push=pushed, pull=self.PullInline(request.pull, context))
         if asked is not None:
             reply.rows.CopyFrom(self._read_rows(request.rows, asked, context))
+        if request.HasField("data"):
+            # The queue's answer, or its refusal: the push is applied either way, so a refusal
+            # fails only the exchange (a retried call's reports meet the queue's precondition).
+            try:
+                reply.data.CopyFrom(self._data(request.data))
+            except (errors.PSError, ValueError) as exc:
+                code = _status(exc) or grpc.StatusCode.UNKNOWN
+                reply.data_refused.CopyFrom(ps_pb2.DataRefusal(code=code.value[0], details=str(exc)))
         return reply
 
     def _push(
@@ -325,14 +341,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def Data(self, request: ps_pb2.DataRequest, context: grpc.ServicerContext) -> ps_pb2.DataResponse:
         try:
-            plan = data_plan_from_proto(request.plan) if request.HasField("plan") else None
-            finished = [(DataTask(t.epoch, t.start, t.end), t.trained) for t in request.finished]
-            tasks, job_plan, queue = self._store.data(
-                request.worker_id, request.generation, plan=plan, finished=finished, want=request.want,
-                session=request.session,
-            )
+            return self._data(request)
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
+
+    def _data(self, request: ps_pb2.DataRequest) -> ps_pb2.DataResponse:
+        """An exchange with the data queue; raises the queue's refusal (``PSError``, ``ValueError``)."""
+        plan = data_plan_from_proto(request.plan) if request.HasField("plan") else None
+        finished = [(DataTask(t.epoch, t.start, t.end), t.trained) for t in request.finished]
+        tasks, job_plan, queue = self._store.data(
+            request.worker_id, request.generation, plan=plan, finished=finished, want=request.want,
+            session=request.session,
+        )
         return ps_pb2.DataResponse(
             tasks=[ps_pb2.DataTask(epoch=t.epoch, start=t.start, end=t.end) for t in tasks],
             plan=data_plan_to_proto(job_plan), queue=data_status_to_proto(queue),

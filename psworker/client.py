@@ -29,7 +29,7 @@ from psworker.retry import retrying
 from psworker.shard import ShardClient
 from psworker.tensors import tensor_bytes
 
-__all__ = ["ClientOptions", "PSClient", "ROWS_PER_CALL", "ShardClient", "parse_addresses"]
+__all__ = ["ClientOptions", "DataRider", "PSClient", "ROWS_PER_CALL", "ShardClient", "parse_addresses"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,33 @@ class _ShardSession:
     known: dict[str, tuple[int, weakref.ref, int]] = field(default_factory=dict)
     """Part key -> (version, the tensor it was pulled into, that tensor's data pointer). Both
     must still match for a pull to skip the part: a new tensor can get a freed one's address."""
+
+
+class DataRider:
+    """A data exchange (:meth:`PSClient.data`'s request) offered to the next step's push-and-pull
+    to shard 0 (:meth:`PSClient.offer_data`): the queue answers it in that call's reply, so the
+    worker's data requests cost no call of their own. It ends :attr:`done` answered
+    (:attr:`reply`), refused (:attr:`refused`, the error a Data call would have raised), or
+    neither: it was withdrawn, or the step's call did not carry it or failed, and the caller
+    makes the exchange as a call of its own."""
+
+    def __init__(self, request: ps_pb2.DataRequest, registration: int) -> None:
+        self.request = request
+        self.registration = registration
+        """:meth:`PSClient.registration` when the request was made (as :meth:`PSClient.data` returns it)."""
+        self.reply: ps_pb2.DataResponse | None = None
+        self.refused: errors.PSError | None = None
+        self.done = threading.Event()
+
+    def answer(self, reply: ps_pb2.DataResponse | None, refused: errors.PSError | None) -> None:
+        """The step's call came back: the queue's reply or refusal (both None: it carried none)."""
+        if not self.done.is_set():
+            self.reply, self.refused = reply, refused
+            self.done.set()
+
+    def unanswered(self) -> None:
+        """The step's call ended without an answer to it (or never took it)."""
+        self.answer(None, None)
 
 
 class PSClient(Exchange, AdminClient):
@@ -91,6 +118,8 @@ class PSClient(Exchange, AdminClient):
         self.resume_data: dict[str, int] = {}
         """This worker's progress as the shards last recorded it (empty for a new worker)."""
         self._registrations = 0
+        self._rider: DataRider | None = None
+        """A data exchange waiting for the next push-and-pull to shard 0 (``offer_data``)."""
         self._left = False
         """Set by :meth:`leave`, cleared by :meth:`register`: no heartbeats meanwhile."""
         self.fenced = threading.Event()
@@ -246,6 +275,48 @@ class PSClient(Exchange, AdminClient):
             finished=finished, want=want,
         )
         return registration, session.client.data(request)
+
+    def offer_data(
+        self, plan: ps_pb2.DataPlan | None, finished: Sequence[ps_pb2.DataTask] = (), want: int = 0
+    ) -> DataRider:
+        """:meth:`data`'s exchange, to ride on the next step's push-and-pull to shard 0 instead
+        of a call of its own: wait on the rider's ``done``, and :meth:`withdraw_data` it when no
+        step comes soon enough. One at a time: a new offer replaces one not yet taken (which
+        ends unanswered)."""
+        registration = self._registrations
+        session = self._require_sessions()[0]
+        rider = DataRider(ps_pb2.DataRequest(
+            worker_id=session.worker_id, generation=session.generation, session=session.secret, plan=plan,
+            finished=finished, want=want,
+        ), registration)
+        with self._lock:
+            replaced, self._rider = self._rider, rider
+        if replaced is not None:
+            replaced.unanswered()
+        return rider
+
+    def withdraw_data(self, rider: DataRider) -> None:
+        """Take back ``rider`` if no step's call has taken it yet: it ends unanswered at once.
+        Else the call that took it settles it when it ends."""
+        with self._lock:
+            if self._rider is not rider:
+                return
+            self._rider = None
+        rider.unanswered()
+
+    def _take_rider(self, session: _ShardSession) -> DataRider | None:
+        # The offered exchange, for a push-and-pull to ``session`` (shard 0's, of the registration
+        # the request names: one made before this worker registered again ends unanswered).
+        with self._lock:
+            rider = self._rider
+            if rider is None or not self._sessions or session is not self._sessions[0]:
+                return None
+            self._rider = None
+        if (rider.request.worker_id, rider.request.generation, rider.request.session) != (
+                session.worker_id, session.generation, session.secret):
+            rider.unanswered()
+            return None
+        return rider
 
     def registration(self) -> int:
         """How many times this client has registered: it changes with every registration, where

@@ -42,8 +42,9 @@ from pswire.wire import data_plan_to_proto, data_task_to_proto
 
 if TYPE_CHECKING:
     from psworker.api import Session
+    from psworker.client import DataRider
 
-__all__ = ["DataFeed", "ElasticSampler", "LEASE_AHEAD_SECONDS", "Lease", "default_task_size", "epoch_order"]
+__all__ = ["DataFeed", "ElasticSampler", "LEASE_AHEAD_SECONDS", "Lease", "RIDE_SECONDS", "default_task_size", "epoch_order"]
 
 LEASE_AHEAD_SECONDS = 0.05
 """A worker leases enough tasks ahead to train this long (at least ``DataFeed``'s ``prefetch``, at
@@ -59,6 +60,13 @@ dataset 0.2 s (5 tasks ahead for mnist1d-cnn's 43 ms tasks, 4 workers holding so
 with 0.15 s (4 ahead) the compose cluster's crashed-shard run ended at 0.915 against 0.95
 uninterrupted, outside its 2-point band (one CI run): the cheaper exchange has to come from
 riding on the push, not from holding more."""
+
+RIDE_SECONDS = 0.2
+"""How long an exchange due on the background thread waits for a step's push-and-pull to shard 0
+to carry it before it is made as a call of its own. A step comes well within it while the worker
+trains (the tasks in hand last longer); when steps are slower than this, one call more per
+exchange is nothing beside them. The training side never waits for a ride: when it needs a task
+now, the ride is withdrawn and the exchange made at once."""
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +136,10 @@ class DataFeed:
         self.stall_seconds = 0.0
         """Exchanges :meth:`next_task` made itself, having no task ready (the prefetch late or
         none free), and the time they took."""
+        self.rides = 0
+        """Exchanges that rode on a step's push-and-pull (the others were calls of their own)."""
+        self._riding: DataRider | None = None
+        """The background exchange's rider while it waits for a step to carry it."""
         self.current: tuple[Lease, int] | None = None
         """The task in training and how many of its examples are trained (kept by the caller,
         for :meth:`close`)."""
@@ -171,7 +183,7 @@ class DataFeed:
                     self._session.rejoin()
                     continue
                 exchanged_from = time.monotonic()
-                self._exchange(target=1 + self._ahead())
+                self._exchange(target=1 + self._ahead(), needed=True)
                 with self._lock:
                     self.stall_seconds += time.monotonic() - exchanged_from
                     self.stalls += 1
@@ -233,6 +245,9 @@ class DataFeed:
             self._reports.extend((lease, 0) for lease in self._ready)
             self._ready.clear()
             self._kick.notify_all()
+            rider = self._riding
+        if rider is not None:  # no step will carry it now
+            self._session.client.withdraw_data(rider)
         self._thread.join(timeout=self._session.client.options.timeout)
         if self._reports and not self._session.left:
             try:
@@ -285,9 +300,10 @@ class DataFeed:
                     self._kick.wait()
                 if self._closed:
                     return
-                target = self._ahead() if self._leasing() else 0
+                leasing = self._leasing()
+                target = self._ahead() if leasing else 0
             try:
-                self._exchange(target=target)
+                self._exchange(target=target, ride=leasing)
             except errors.PSError as exc:
                 # The training side meets the same refusal on its next exchange and raises it.
                 log.warning("%s: data exchange failed: %s", self._session.worker_name, exc)
@@ -295,13 +311,47 @@ class DataFeed:
                 if not self._closed and self._due():  # nothing free (or a refusal): look again later
                     self._kick.wait(self._poll)
 
-    def _exchange(self, *, target: int) -> ps_pb2.DataQueueStatus | None:
+    def _ask(self, finished: list[ps_pb2.DataTask], want: int, *, ride: bool) -> tuple[int, ps_pb2.DataResponse]:
+        # The exchange's call: on the next step's push-and-pull when ``ride`` and one comes soon
+        # enough, else (or when that call did not carry it) a call of its own. Returns
+        # ``PSClient.data``'s (registration, reply); raises the queue's refusal as it does.
+        client = self._session.client
+        plan = data_plan_to_proto(self.plan)
+        if ride:
+            rider = client.offer_data(plan, finished, want)
+            with self._lock:
+                self._riding = rider
+            try:
+                if not rider.done.wait(RIDE_SECONDS):
+                    client.withdraw_data(rider)  # ends it, unless a step's call has it: then that call does
+                    rider.done.wait(client.options.timeout + client.options.retry_timeout)
+            finally:
+                with self._lock:
+                    self._riding = None
+            if rider.refused is not None:
+                raise rider.refused
+            if rider.reply is not None:
+                self.rides += 1
+                return rider.registration, rider.reply
+        return client.data(plan, finished, want)
+
+    def _exchange(self, *, target: int, ride: bool = False, needed: bool = False) -> ps_pb2.DataQueueStatus | None:
         """One request: send the pending reports, lease enough to have ``target`` tasks ready.
+        ``ride``: on the next step's push-and-pull to shard 0 when one comes within
+        ``RIDE_SECONDS`` (else as a call of its own). ``needed``: the training side has no task,
+        so a ride under way gives up at once, and none is made when one brought tasks meanwhile.
         Returns the queue's status, or None when this worker was fenced (its tasks went back;
         it must re-register)."""
+        if needed:
+            with self._lock:
+                rider = self._riding
+            if rider is not None:
+                self._session.client.withdraw_data(rider)
         with self._exchanging:
             registration = self._session.client.registration()
             with self._lock:
+                if needed and self._ready:
+                    return self.queue
                 want = max(0, target - len(self._ready))
                 dropped = [r for r in self._reports if r[0].registration != registration]
                 self._reports = [r for r in self._reports if r[0].registration == registration]
@@ -313,9 +363,8 @@ class DataFeed:
             refused: list[tuple[Lease, int]] = []
             try:
                 try:
-                    registration, reply = self._session.client.data(
-                        data_plan_to_proto(self.plan), [data_task_to_proto(lease.task, n) for lease, n in sent],
-                        want,
+                    registration, reply = self._ask(
+                        [data_task_to_proto(lease.task, n) for lease, n in sent], want, ride=ride,
                     )
                 except errors.PreconditionError as exc:
                     if not sent:

@@ -38,7 +38,7 @@ from psworker.rowreads import Identity, PlannedTable, RowsCall, plan_rows, row_b
 from psworker.tensors import tensor_bytes, torch_dtype
 
 if TYPE_CHECKING:
-    from psworker.client import _ShardSession
+    from psworker.client import DataRider, _ShardSession
 
 __all__ = ["Exchange", "ROWS_PER_CALL"]
 
@@ -95,6 +95,8 @@ class Exchange:
     _sessions: list[_ShardSession]
     consistency: Consistency
     tables: dict[str, TableSpec]
+    _take_rider: Callable[[_ShardSession], DataRider | None]
+    """The data exchange offered to the next push-and-pull to this shard, if any (``PSClient``)."""
 
     def _header(self, session: _ShardSession, base_version: int, parts: Sequence[Part] | None = None) -> ps_pb2.TensorHeader:
         return ps_pb2.TensorHeader(
@@ -288,19 +290,23 @@ class Exchange:
                 session, destinations, skip_unchanged=True, may_wait=may_wait,
                 clock=session.clock + (message is not None),
             )
-            return message, request, dest, nbytes
+            # A data exchange waiting for a step rides on this one's call to shard 0.
+            rider = self._take_rider(session) if message is not None else None
+            if rider is not None:
+                riders.append(rider)
+            return message, request, dest, nbytes, rider
 
         def complete(session: _ShardSession, prepared: tuple, started: float, pending=None) -> ps_pb2.PushResponse | None:
-            message, request, dest, nbytes = prepared
+            message, request, dest, nbytes, rider = prepared
             address = session.client.address
             reply = None
             read = reads.get(id(session)) if reads else None
             if message is not None:
                 attempt = _sent_first(
-                    pending, lambda sent: session.client.finish_push_pull(sent, dest),
+                    pending, lambda sent: session.client.finish_push_pull(sent, dest, rider),
                     lambda: session.client.push_pull(*message, request, dest, nbytes, may_wait=may_wait,
                                                      rows=read.request if read else None,
-                                                     rows_bytes=read.nbytes if read else 0))
+                                                     rows_bytes=read.nbytes if read else 0, data=rider))
                 reply, header, written, rows_reply = retrying(attempt, self.options, address, "push and pull")
                 session.clock += 1
                 if read:
@@ -322,10 +328,16 @@ class Exchange:
                 timings.append(_phases(time.monotonic() - started, pushed, nbytes, may_wait))
             return reply
 
-        if may_wait or len(sessions) == 1 or not self.options.lane_calls:
-            replies = self._fan_out_waiting(lambda s: complete(s, prepare(s), time.monotonic()), sessions, may_wait)
-        else:
-            replies = self._push_pull_whole(sessions, prepare, complete, reads)
+        riders: list[DataRider] = []
+        try:
+            if may_wait or len(sessions) == 1 or not self.options.lane_calls:
+                replies = self._fan_out_waiting(lambda s: complete(s, prepare(s), time.monotonic()), sessions,
+                                                may_wait)
+            else:
+                replies = self._push_pull_whole(sessions, prepare, complete, reads)
+        finally:
+            for rider in riders:  # the reply answered it; else (a failure, or no call carried it) unanswered
+                rider.unanswered()
         self._report(timings)
         if read_rows and reads is None:
             got = self.pull_rows({table: ids for table, (ids, _) in read_rows.items()}, wait=False)
@@ -370,7 +382,7 @@ class Exchange:
                 return None
             read = reads.get(id(session)) if reads else None
             return session.client.start_push_pull(p[0][0], p[0][1], p[1], p[3], rows=read.request if read else None,
-                                                  rows_bytes=read.nbytes if read else 0)
+                                                  rows_bytes=read.nbytes if read else 0, data=p[4])
 
         pending = [start(s, p) for s, p in zip(sessions, prepared)]
         rest = [i for i, p in enumerate(pending) if p is None]

@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -25,6 +26,9 @@ from psworker.lanes import Lane, LanePool, ReplyFirst
 from psworker.options import ClientOptions, parse_addresses
 from psworker.retry import retrying, translate
 from psworker.tensors import tensor_bytes, torch_dtype, write_bytes
+
+if TYPE_CHECKING:
+    from psworker.client import DataRider
 
 __all__ = ["KEEPALIVE_MS", "SERVICE", "ClientOptions", "ClientSecurity", "ShardClient", "parse_addresses"]
 
@@ -72,6 +76,18 @@ def _session_of(method: str, request) -> tuple[int, int]:
 def _rows_of(reply: ps_pb2.PushPullResponse) -> ps_pb2.PullRowsResponse | None:
     """The rows a push-and-pull's reply carries (None: it carries none)."""
     return reply.rows if reply.HasField("rows") else None
+
+
+def _settle(rider: "DataRider | None", reply: ps_pb2.PushPullResponse, address: str) -> None:
+    """Hand ``rider`` (the data exchange a push-and-pull carried) the queue's answer in ``reply``:
+    its reply, or its refusal as the error a Data call would have raised."""
+    if rider is None:
+        return
+    if reply.HasField("data_refused"):
+        refused = LaneCallError(reply.data_refused.code, reply.data_refused.details.encode())
+        rider.answer(None, translate(refused, address))
+    else:
+        rider.answer(reply.data if reply.HasField("data") else None, None)
 
 
 @dataclass(eq=False)
@@ -224,25 +240,29 @@ class ShardClient(ShardChannel):
 
     def start_push_pull(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest, nbytes: int,
-        rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0,
+        rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0, data: "DataRider | None" = None,
     ) -> "_Pending | None":
         """Send a push and the pull after it (not waiting on a bound) as one call whole on a
         lane, and return at once: ``finish_push_pull`` reads the reply, so that a worker's calls
         to several shards are all under way before it waits for any, on one thread. None when
         either side is above ``inline_bytes`` or the call cannot go on a lane (use
-        :meth:`push_pull`; nothing was sent). ``rows`` as in :meth:`push_pull`."""
+        :meth:`push_pull`; nothing was sent). ``rows`` and ``data`` as in :meth:`push_pull`
+        (``data`` is answered by :meth:`finish_push_pull`)."""
         pushed, limit = sum(len(b) for b in buffers), self.options.inline_bytes
         if nbytes > limit or pushed > limit:
             return None
         push = ps_pb2.InlinePush(header=header, data=[bytes(b) for b in buffers])
-        return self._start("PushPull", ps_pb2.PushPullRequest(push=push, pull=request, rows=rows),
+        data_request = data.request if data is not None else None
+        return self._start("PushPull", ps_pb2.PushPullRequest(push=push, pull=request, rows=rows, data=data_request),
                            self._pull_deadline(nbytes + pushed + rows_bytes, False))
 
     def finish_push_pull(
-        self, pending: "_Pending", destinations: Mapping[str, torch.Tensor],
+        self, pending: "_Pending", destinations: Mapping[str, torch.Tensor], data: "DataRider | None" = None,
     ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int], ps_pb2.PullRowsResponse | None]:
-        """:meth:`push_pull`'s result for a call :meth:`start_push_pull` sent; raises as it."""
+        """:meth:`push_pull`'s result for a call :meth:`start_push_pull` sent (``data``: the
+        exchange it carried, answered here); raises as it."""
         reply = self._finish(pending)
+        _settle(data, reply, self.address)
         return (reply.push, *self._write_inline(reply.pull, destinations), _rows_of(reply))
 
     def _on_lane(self, lane: Lane, method: str, request, timeout: float, stage=None, receive=None):
@@ -400,13 +420,15 @@ class ShardClient(ShardChannel):
     def push_pull(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest,
         destinations: Mapping[str, torch.Tensor], nbytes: int, *, may_wait: bool = False,
-        rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0,
+        rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0, data: "DataRider | None" = None,
     ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int], ps_pb2.PullRowsResponse | None]:
         """A push and the pull after it in one call: each side inline when within
         ``inline_bytes``, else on a bulk lane. Without a lane for a larger side: a push, then a
         pull (a retry repeats the push's sequence number either way, so it applies once).
         ``rows``: a read of table rows (``rows_bytes`` of values) once the push is applied, in
-        the same call; its reply is the last of the four results (None without ``rows``)."""
+        the same call; its reply is the last of the four results (None without ``rows``).
+        ``data``: a data exchange to make in the same call (shard 0), answered through it when
+        the reply comes (the push-then-pull fallback carries none and leaves it unanswered)."""
         pushed = sum(len(b) for b in buffers)
         limit = self.options.inline_bytes
         large = pushed > limit or nbytes > limit
@@ -417,7 +439,7 @@ class ShardClient(ShardChannel):
             return (pushed_reply, *pulled,
                     self.pull_rows(rows, rows_bytes, may_wait=False) if rows is not None else None)
         timeout = self._pull_deadline(nbytes + pushed + rows_bytes, may_wait)
-        call = ps_pb2.PushPullRequest(pull=request, rows=rows)
+        call = ps_pb2.PushPullRequest(pull=request, rows=rows, data=data.request if data is not None else None)
         stage = receive = None
         if pushed > limit:
             stage = (lane.next_token(), buffers)
@@ -432,8 +454,10 @@ class ShardClient(ShardChannel):
             receive = lambda: self._receive_on_lane(lane, token, destinations, timeout)  # noqa: E731
         if lane is None:
             reply = self._small("PushPull", call, timeout)
+            _settle(data, reply, self.address)
             return (reply.push, *self._write_inline(reply.pull, destinations), _rows_of(reply))
         reply, received = self._on_lane(lane, "PushPull", call, timeout, stage, receive)
+        _settle(data, reply, self.address)
         return (reply.push, *(received or self._write_inline(reply.pull, destinations)), _rows_of(reply))
 
     def _pull_deadline(self, nbytes: int, may_wait: bool) -> float:

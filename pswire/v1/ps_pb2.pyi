@@ -628,21 +628,35 @@ class InlinePull(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., data: _Optional[_Iterable[bytes]] = ..., bulk_bytes: _Optional[int] = ...) -> None: ...
 
 class PushPullRequest(_message.Message):
-    __slots__ = ("push", "pull", "rows")
+    __slots__ = ("push", "pull", "rows", "data")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     push: InlinePush
     pull: PullRequest
     rows: PullRowsRequest
-    def __init__(self, push: _Optional[_Union[InlinePush, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., rows: _Optional[_Union[PullRowsRequest, _Mapping]] = ...) -> None: ...
+    data: DataRequest
+    def __init__(self, push: _Optional[_Union[InlinePush, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., rows: _Optional[_Union[PullRowsRequest, _Mapping]] = ..., data: _Optional[_Union[DataRequest, _Mapping]] = ...) -> None: ...
+
+class DataRefusal(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class PushPullResponse(_message.Message):
-    __slots__ = ("push", "pull", "rows")
+    __slots__ = ("push", "pull", "rows", "data", "data_refused")
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DATA_REFUSED_FIELD_NUMBER: _ClassVar[int]
     push: PushResponse
     pull: InlinePull
     rows: PullRowsResponse
-    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., pull: _Optional[_Union[InlinePull, _Mapping]] = ..., rows: _Optional[_Union[PullRowsResponse, _Mapping]] = ...) -> None: ...
+    data: DataResponse
+    data_refused: DataRefusal
+    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., pull: _Optional[_Union[InlinePull, _Mapping]] = ..., rows: _Optional[_Union[PullRowsResponse, _Mapping]] = ..., data: _Optional[_Union[DataResponse, _Mapping]] = ..., data_refused: _Optional[_Union[DataRefusal, _Mapping]] = ...) -> None: ...
