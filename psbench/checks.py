@@ -147,6 +147,8 @@ def _elastic_throughput(results: dict, params: int = 15_210) -> Check:
         return _check("8", name, None, ">=", 0.97, "")
     detail = (f"{run['dynamic_steps_per_second']:.0f} / {run['static_steps_per_second']:.0f} steps/s, "
               f"{run['shards']} shards x {run['workers']} workers")
+    if "cpu_ratio" in run:
+        detail += f"; CPU per step x {run['cpu_ratio']:.3f}"
     if abs(run["parameters"] - params) > params // 10:
         detail += f" (at {run['parameters']} parameters)"
     return _check("8", name, run["ratio"], ">=", 0.97, detail)

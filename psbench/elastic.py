@@ -70,7 +70,7 @@ from psbench.training import BATCH_SIZE, cluster_fields, start_worker, worker_re
 from psbench.tasks import CNN_DEFAULTS
 
 __all__ = ["CNN_TASK", "ElasticThroughput", "JobRun", "job_seconds", "measure_elastic_jobs",
-           "measure_elastic_throughput", "spread", "started_at", "window_rates"]
+           "measure_elastic_throughput", "spread", "started_at", "window_cpu", "window_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +142,20 @@ class ElasticThroughput:
     """Per repetition, every dynamic worker's result line."""
     workers: int
     shards: int
+    static_cpu: list[float]
+    """Per repetition, the static cluster's CPU per step in the window (ms, its shards and workers)."""
+    dynamic_cpu: list[float]
 
     @property
     def ratio(self) -> float:
         """The median over repetitions of the dynamic setup's rate against the static one's,
         measured over the same seconds."""
         return median_ratio(self.dynamic_rates, self.static_rates)
+
+    @property
+    def cpu_ratio(self) -> float:
+        """The median over repetitions of the dynamic setup's CPU per step against the static one's."""
+        return median_ratio(self.dynamic_cpu, self.static_cpu)
 
     def to_dict(self) -> dict:
         data = [w["data"] for rep in self.dynamic for w in rep]
@@ -162,12 +170,16 @@ class ElasticThroughput:
             "static_reps": self.static_rates,
             "dynamic_reps": self.dynamic_rates,
             "window_seconds": self.window_seconds,
+            "static_cpu_ms_per_step": self.static_cpu,
+            "dynamic_cpu_ms_per_step": self.dynamic_cpu,
+            "cpu_ratio": self.cpu_ratio,
             # As the workers report them: samples over their whole training loops, which the
             # other setup's workers shared for all but the ends.
             "static_samples_per_second": median([sum(w["samples_per_second"] for w in rep) for rep in self.static]),
             "dynamic_samples_per_second": median([sum(w["samples_per_second"] for w in rep) for rep in self.dynamic]),
             "dynamic_wait_seconds": [[w["data"]["wait_seconds"] for w in rep] for rep in self.dynamic],
             "dynamic_data_tasks": [[w["data"]["tasks"] for w in rep] for rep in self.dynamic],
+            "dynamic_data_rides": [[w["data"]["rides"] for w in rep] for rep in self.dynamic],
         }
 
 
@@ -179,13 +191,27 @@ def window_rates(readings: Sequence[tuple[float, int, int]], job_steps: int) -> 
     second's, the window's seconds)``. Raises ``ValueError`` when fewer than two readings fall
     in the window (the jobs too short for the polling, or one setup so far behind that the
     other was near its end before it started)."""
+    start, end = _window(readings, job_steps)
+    seconds = end[0] - start[0]
+    return (end[1] - start[1]) / seconds, (end[2] - start[2]) / seconds, seconds
+
+
+def window_cpu(readings: Sequence[tuple[float, int, int, float, float]], job_steps: int) -> tuple[float, float]:
+    """Two setups' CPU per step (ms; shards and workers together) over :func:`window_rates`'s
+    window: ``readings`` also hold each setup's CPU seconds so far. Next to the rates it tells a
+    cost from the load: CPU per step barely moves with what the other processes do. Raises as
+    :func:`window_rates`."""
+    start, end = _window(readings, job_steps)
+    return tuple(1e3 * (end[3 + i] - start[3 + i]) / max(end[1 + i] - start[1 + i], 1) for i in (0, 1))
+
+
+def _window(readings: Sequence[tuple], job_steps: int) -> tuple[tuple, tuple]:
     start = next((r for r in readings if min(r[1], r[2]) >= WINDOW[0] * job_steps), None)
     end = readings[-1] if readings else None
     if start is None or end is None or end[0] <= start[0]:
         raise ValueError(f"no window where both setups were between {WINDOW[0]:.0%} and {WINDOW[1]:.0%} of their "
                          f"{job_steps}-step jobs in {len(readings)} readings")
-    seconds = end[0] - start[0]
-    return (end[1] - start[1]) / seconds, (end[2] - start[2]) / seconds, seconds
+    return start, end
 
 
 def _steps_applied(admin) -> int:
@@ -209,6 +235,7 @@ def measure_elastic_throughput(
 
     job_steps = workers * case.worker_steps
     rates: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
     results: dict[bool, list[list[dict]]] = {False: [], True: []}
     windows: list[float] = []
     for rep in range(reps):
@@ -226,7 +253,8 @@ def measure_elastic_throughput(
                     ps = ",".join(address for _, address in started[dynamic])
                     running[dynamic].append(start_worker(children, case, ps, i, workers=workers, run=rep,
                                                          dynamic=dynamic))
-            readings = _poll(admins, running, job_steps, timeout)
+            processes = {dynamic: [child for child, _ in started[dynamic]] + running[dynamic] for dynamic in order}
+            readings = _poll(admins, running, processes, job_steps, timeout)
             for dynamic in order:
                 results[dynamic].append([worker_result(child, timeout) for child in running[dynamic]])
         finally:
@@ -239,30 +267,40 @@ def measure_elastic_throughput(
                     children.stop(child)
         try:
             static, dynamic, seconds = window_rates(readings, job_steps)
+            static_cpu, dynamic_cpu = window_cpu(readings, job_steps)
         except ValueError as exc:
             raise ChildError(f"mlp{case.width} rep {rep + 1}: {exc}") from None
         rates[False].append(static)
         rates[True].append(dynamic)
+        cpu[False].append(static_cpu)
+        cpu[True].append(dynamic_cpu)
         windows.append(seconds)
-        log.info("mlp%d rep %d, side by side over %.1f s: static %.0f steps/s, dynamic %.0f steps/s",
-                 case.width, rep + 1, seconds, static, dynamic)
+        log.info("mlp%d rep %d, side by side over %.1f s: static %.0f steps/s, dynamic %.0f steps/s; CPU per step "
+                 "%.3f / %.3f ms", case.width, rep + 1, seconds, static, dynamic, static_cpu, dynamic_cpu)
     for rep in results[True]:
         examples = sum(w["data"]["examples"] for w in rep)
         if examples != job_steps * BATCH_SIZE:
             raise ChildError(f"the dynamic workers trained {examples} examples of a job of "
                              f"{job_steps * BATCH_SIZE}: {rep}")
-    return ElasticThroughput(case, rates[False], rates[True], windows, results[False], results[True], workers, shards)
+    return ElasticThroughput(case, rates[False], rates[True], windows, results[False], results[True], workers, shards,
+                             cpu[False], cpu[True])
 
 
-def _poll(admins: dict, running: dict[bool, list[Child]], job_steps: int, timeout: float) -> list[tuple[float, int, int]]:
-    """Read both setups' steps applied every ``POLL_SECONDS`` until either passes ``WINDOW[1]``
-    of its job or a worker exits. Raises ``ChildError`` past ``timeout``."""
+def _poll(admins: dict, running: dict[bool, list[Child]], processes: dict[bool, list[Child]], job_steps: int,
+          timeout: float) -> list[tuple[float, int, int, float, float]]:
+    """Read both setups' steps applied, and the CPU seconds of their ``processes``, every
+    ``POLL_SECONDS`` until either passes ``WINDOW[1]`` of its job or a worker exits. Raises
+    ``ChildError`` past ``timeout``."""
     deadline = time.monotonic() + timeout
-    readings: list[tuple[float, int, int]] = []
+    readings: list[tuple[float, int, int, float, float]] = []
     while True:
         before = time.monotonic()
         static, dynamic = _steps_applied(admins[False]), _steps_applied(admins[True])
-        readings.append(((before + time.monotonic()) / 2, static, dynamic))
+        try:
+            used = [sum(child.cpu_seconds() for child in processes[setup]) for setup in (False, True)]
+        except OSError:  # a process exited: its result line (or failure) is read next
+            return readings
+        readings.append(((before + time.monotonic()) / 2, static, dynamic, *used))
         if max(static, dynamic) >= WINDOW[1] * job_steps:
             return readings
         for child in running[False] + running[True]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from statistics import median
 
 from pswire.files import write_atomically
 
@@ -196,6 +197,10 @@ def _elastic(elastic: dict) -> list[str]:
              f"{throughput['static_samples_per_second']:,.0f}", f"{throughput['dynamic_samples_per_second']:,.0f}",
              _ratio(throughput["dynamic_samples_per_second"] / throughput["static_samples_per_second"])],
         ]
+        if "cpu_ratio" in throughput:
+            rows.append(["  CPU per step, shards and workers (ms, medians over the same windows)",
+                         f"{median(throughput['static_cpu_ms_per_step']):.3f}",
+                         f"{median(throughput['dynamic_cpu_ms_per_step']):.3f}", _ratio(throughput["cpu_ratio"])])
     accuracy = elastic.get("accuracy")
     if accuracy:
         def side(figures: dict) -> str:

@@ -2,11 +2,13 @@
 
 The job's data queue lives on shard 0 (``psserver.dataqueue``). A :class:`DataFeed` leases data
 tasks from it (ranges of an epoch's seeded permutation) ``prefetch`` at a time, ahead of need, so
-that asking never stalls a step: when the tasks in hand run out, one exchange on a background
-thread, while the worker trains, leases the next ones and carries the reports of the tasks
-finished meanwhile (each reported once every push of its examples was acknowledged). One
-exchange per ``prefetch`` tasks: psbench measured one per task at about 4% of a 15K-parameter
-model's throughput on 2 busy cores. It hands back what it has not trained when it closes.
+that asking never stalls a step: when the tasks in hand run out, one exchange, prepared on a
+background thread while the worker trains, leases the next ones and carries the reports of the
+tasks finished meanwhile (each reported once every push of its examples was acknowledged). The
+exchange rides on the worker's next step (``PSClient.offer_data``: its push-and-pull to shard 0
+carries it), so it costs no call of its own: as calls of their own, exchanges every two tasks
+cost a 15K-parameter model about 4% of its throughput on 2 busy cores (psbench, side by side).
+It hands back what it has not trained when it closes.
 
 In PyTorch's own terms, :class:`ElasticSampler` is the ``Sampler`` that plays for a parameter
 server job the role ``DistributedSampler`` plays for torchrun::
@@ -49,17 +51,18 @@ __all__ = ["DataFeed", "ElasticSampler", "LEASE_AHEAD_SECONDS", "Lease", "RIDE_S
 LEASE_AHEAD_SECONDS = 0.05
 """A worker leases enough tasks ahead to train this long (at least ``DataFeed``'s ``prefetch``, at
 most what a worker may hold, and no more than its share of the tasks left): fast steps then ask
-for data less often. Every exchange costs a call of the worker and of shard 0 whatever it
-leases: psbench's side-by-side runs of the 15K MLP (whose whole model lives on shard 0, beside
-the queue) measured dynamic / static at a median 0.96 with 0.05 s (two tasks ahead at the 28 ms
-a task takes there) and 0.98-1.00 with 0.15 s (six), docs/benchmarks.md. Up to 31 ahead since
+for data less often. As calls of their own, exchanges cost a call of the worker and of shard 0
+whatever they leased: psbench's side-by-side runs of the 15K MLP (whose whole model lives on
+shard 0, beside the queue) measured dynamic / static at a median 0.96 with 0.05 s (two tasks
+ahead at the 28 ms a task takes there) and 0.98-1.00 with 0.15 s (six), docs/benchmarks.md;
+riding on the steps (``RIDE_SECONDS``), 0.99 with 0.05 s. Up to 31 ahead since
 a worker may hold 32 tasks. Not longer than 0.05 s: every task a worker holds spreads the job's
 order over more of the epochs (tasks of later epochs trained beside earlier ones). On a small
 dataset 0.2 s (5 tasks ahead for mnist1d-cnn's 43 ms tasks, 4 workers holding some 1.8 of its
 4,000-example epochs) ended the job a median 1.7 points lower than 0.05 s over 6 seeds, and
 with 0.15 s (4 ahead) the compose cluster's crashed-shard run ended at 0.915 against 0.95
-uninterrupted, outside its 2-point band (one CI run): the cheaper exchange has to come from
-riding on the push, not from holding more."""
+uninterrupted, outside its 2-point band (one CI run): the cheaper exchange came from riding on
+the push instead, not from holding more."""
 
 RIDE_SECONDS = 0.2
 """How long an exchange due on the background thread waits for a step's push-and-pull to shard 0

@@ -198,7 +198,7 @@ def test_elastic_figures_from_result_lines(tmp_path):
 
 
 def test_side_by_side_rates_use_the_window_both_setups_share():
-    from psbench.elastic import window_rates
+    from psbench.elastic import window_cpu, window_rates
 
     # (time, static steps, dynamic steps) of a 1,000-step job: the window opens at the first
     # reading where both passed 100 steps and closes at the last reading.
@@ -208,6 +208,9 @@ def test_side_by_side_rates_use_the_window_both_setups_share():
     for short in ([], [(0.0, 0, 0), (1.0, 950, 50)], [(0.0, 0, 0), (1.0, 950, 150)]):
         with pytest.raises(ValueError, match="no window where both setups"):
             window_rates(short, 1000)
+    # With each setup's CPU seconds so far: CPU per step over the same window, in ms.
+    timed = [(*r, 0.5 * i, 0.4 * i) for i, r in enumerate(readings)]
+    assert window_cpu(timed, 1000) == (pytest.approx(1e3 * 1.5 / 600), pytest.approx(1e3 * 1.2 / 360))
 
 
 @pytest.mark.parametrize(("ratio", "difference", "scaling", "passed"), [
