@@ -143,6 +143,8 @@ class DataFeed:
         """Exchanges that rode on a step's push-and-pull (the others were calls of their own)."""
         self._riding: DataRider | None = None
         """The background exchange's rider while it waits for a step to carry it."""
+        self._needed = False
+        """The training side is making an exchange itself (no task ready): none rides meanwhile."""
         self.current: tuple[Lease, int] | None = None
         """The task in training and how many of its examples are trained (kept by the caller,
         for :meth:`close`)."""
@@ -320,10 +322,10 @@ class DataFeed:
         # ``PSClient.data``'s (registration, reply); raises the queue's refusal as it does.
         client = self._session.client
         plan = data_plan_to_proto(self.plan)
-        if ride:
-            rider = client.offer_data(plan, finished, want)
-            with self._lock:
-                self._riding = rider
+        with self._lock:
+            rider = client.offer_data(plan, finished, want) if ride and not self._needed else None
+            self._riding = rider
+        if rider is not None:
             try:
                 if not rider.done.wait(RIDE_SECONDS):
                     client.withdraw_data(rider)  # ends it, unless a step's call has it: then that call does
@@ -345,11 +347,20 @@ class DataFeed:
         so a ride under way gives up at once, and none is made when one brought tasks meanwhile.
         Returns the queue's status, or None when this worker was fenced (its tasks went back;
         it must re-register)."""
-        if needed:
+        if not needed:
+            return self._exchange_now(target, ride, needed)
+        with self._lock:
+            self._needed = True  # an exchange the background thread starts meanwhile does not ride
+            rider = self._riding
+        if rider is not None:
+            self._session.client.withdraw_data(rider)
+        try:
+            return self._exchange_now(target, ride, needed)
+        finally:
             with self._lock:
-                rider = self._riding
-            if rider is not None:
-                self._session.client.withdraw_data(rider)
+                self._needed = False
+
+    def _exchange_now(self, target: int, ride: bool, needed: bool) -> ps_pb2.DataQueueStatus | None:
         with self._exchanging:
             registration = self._session.client.registration()
             with self._lock:

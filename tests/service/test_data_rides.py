@@ -3,11 +3,16 @@ the job's data queue travels in its push-and-pull to shard 0 and the reply bring
 tasks, so asking for data costs no call of its own. Checked on both transports (a call whole on a
 bulk lane, and gRPC): the queue answers as a ``Data`` call would; its refusal fails only the
 exchange, never the push; an exchange naming another registration is refused before the push;
-one offered by an older registration, or withdrawn, rides on nothing and changes nothing."""
+one offered by an older registration, or withdrawn, rides on nothing and changes nothing. And
+``psworker.elastic.DataFeed`` on top: its prefetching exchanges ride on steps, are made as calls
+of their own when no step comes, and never keep the training side waiting for a step."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,7 +26,9 @@ from pswire.optim import OptimizerConfig
 from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2
 from pswire.wire import data_plan_to_proto
+from psworker import elastic
 from psworker.client import ClientOptions, DataRider, PSClient
+from psworker.elastic import DataFeed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,3 +155,74 @@ def test_an_exchange_offered_before_the_worker_registered_again_rides_on_nothing
         # The old registration's task went back when it registered again; the new one leases afresh.
         queue = _queue(client)
         assert (queue.tasks_leased, queue.tasks_requeued) == (0, 1)
+
+
+@dataclass
+class _Session:
+    """What a ``DataFeed`` uses of ``psworker.api.Session``: an async worker that stays registered."""
+
+    client: PSClient
+    worker_name: str = "w0"
+    left: bool = False
+
+
+def _wait(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        threading.Event().wait(0.01)
+
+
+def test_the_feeds_prefetching_exchange_rides_on_the_next_step():
+    with _client(lane_calls=True) as client:
+        feed = DataFeed(_Session(client), DataPlan(examples=10, task_size=2, seed=1, total=20), prefetch=2)
+        try:
+            first = feed.next_task()  # no task in hand: the training side's own exchange (a stall)
+            assert first is not None and feed.stalls == 1
+            feed.finish(first)
+            finished = 1
+            while feed._ready:  # hand out the prefetched ones: the last one makes an exchange due
+                lease = feed.next_task()
+                if feed._ready:
+                    feed.finish(lease)
+                    finished += 1
+            _wait(lambda: feed._riding is not None)  # offered, waiting for a step
+            assert _queue(client).tasks_done == 0
+            _step(client)
+            _wait(lambda: feed.rides == 1 and len(feed._ready) >= 2)  # as many as it leases ahead
+            assert feed.stalls == 1 and _queue(client).tasks_done == finished  # the reports rode along
+        finally:
+            feed.close()
+
+
+def test_without_a_step_the_feeds_exchange_is_a_call_of_its_own(monkeypatch):
+    monkeypatch.setattr(elastic, "RIDE_SECONDS", 0.05)
+    with _client(lane_calls=True) as client:
+        feed = DataFeed(_Session(client), DataPlan(examples=10, task_size=2, seed=1, total=20), prefetch=2)
+        try:
+            feed.next_task()
+            while feed._ready:
+                feed.finish(feed.next_task())
+            _wait(lambda: len(feed._ready) >= 2)  # no step came: it did not wait for one
+            assert feed.rides == 0 and feed._riding is None
+        finally:
+            feed.close()
+
+
+def test_the_training_side_needing_a_task_never_waits_for_a_step(monkeypatch):
+    monkeypatch.setattr(elastic, "RIDE_SECONDS", 60.0)  # a step would be a long time coming
+    with _client(lane_calls=True) as client:
+        feed = DataFeed(_Session(client), DataPlan(examples=10, task_size=2, seed=1, total=20), prefetch=2)
+        try:
+            feed.next_task()
+            while feed._ready:
+                feed.finish(feed.next_task())
+            _wait(lambda: feed._riding is not None)
+            started = time.monotonic()
+            lease = feed.next_task()  # withdraws the ride; the exchange is made at once
+            assert lease is not None and time.monotonic() - started < 10.0
+            assert feed.rides == 0 and feed.stalls == 2
+            _step(client)  # carries nothing now
+            assert feed.rides == 0
+        finally:
+            feed.close()
