@@ -195,6 +195,7 @@ class ParameterServerServicer:
 
     def Data(self, request, context):
         """Dynamic data (shard 0 only): report data tasks finished or handed back, and lease new ones.
+        A training worker's exchanges usually ride on its steps instead (PushPullRequest.data).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
