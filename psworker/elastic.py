@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from psworker.api import Session
     from psworker.client import DataRider
 
-__all__ = ["DataFeed", "ElasticSampler", "LEASE_AHEAD_SECONDS", "Lease", "RIDE_SECONDS", "default_task_size", "epoch_order"]
+__all__ = ["DataFeed", "ElasticSampler", "LEASE_AHEAD_SECONDS", "Lease", "RIDE_SECONDS", "default_task_size",
+           "epoch_order"]
 
 LEASE_AHEAD_SECONDS = 0.05
 """A worker leases enough tasks ahead to train this long (at least ``DataFeed``'s ``prefetch``, at
