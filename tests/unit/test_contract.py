@@ -33,7 +33,8 @@ def test_client_and_shard_public_surface():
     for module in (client, shard):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
-    assert set(client.__all__) == {"ClientOptions", "PSClient", "ROWS_PER_CALL", "ShardClient", "parse_addresses"}
+    assert set(client.__all__) == {"ClientOptions", "DataRider", "PSClient", "ROWS_PER_CALL", "ShardClient",
+                                   "parse_addresses"}
     assert set(shard.__all__) >= {"ClientOptions", "ShardClient", "parse_addresses"}
     for name in set(client.__all__) & set(shard.__all__):  # re-exported, not copies
         assert getattr(client, name) is getattr(shard, name), name
