@@ -307,6 +307,8 @@ class PSClient(Exchange, AdminClient):
     def _take_rider(self, session: _ShardSession) -> DataRider | None:
         # The offered exchange, for a push-and-pull to ``session`` (shard 0's, of the registration
         # the request names: one made before this worker registered again ends unanswered).
+        if self._rider is None:  # every step asks: no lock when nothing is offered (the usual case)
+            return None
         with self._lock:
             rider = self._rider
             if rider is None or not self._sessions or session is not self._sessions[0]:

@@ -173,6 +173,21 @@ def _wait(condition, timeout: float = 10.0) -> None:
         threading.Event().wait(0.01)
 
 
+@contextlib.contextmanager
+def _exchange_due():
+    """A feed whose tasks in hand were all handed out (each finished but the first): the background
+    thread's exchange is due."""
+    with _client(lane_calls=True) as client:
+        feed = DataFeed(_Session(client), DataPlan(examples=10, task_size=2, seed=1, total=20), prefetch=2)
+        try:
+            feed.next_task()
+            while feed._ready:
+                feed.finish(feed.next_task())
+            yield client, feed
+        finally:
+            feed.close()
+
+
 def test_the_feeds_prefetching_exchange_rides_on_the_next_step():
     with _client(lane_calls=True) as client:
         feed = DataFeed(_Session(client), DataPlan(examples=10, task_size=2, seed=1, total=20), prefetch=2)
@@ -197,32 +212,18 @@ def test_the_feeds_prefetching_exchange_rides_on_the_next_step():
 
 def test_without_a_step_the_feeds_exchange_is_a_call_of_its_own(monkeypatch):
     monkeypatch.setattr(elastic, "RIDE_SECONDS", 0.05)
-    with _client(lane_calls=True) as client:
-        feed = DataFeed(_Session(client), DataPlan(examples=10, task_size=2, seed=1, total=20), prefetch=2)
-        try:
-            feed.next_task()
-            while feed._ready:
-                feed.finish(feed.next_task())
-            _wait(lambda: len(feed._ready) >= 2)  # no step came: it did not wait for one
-            assert feed.rides == 0 and feed._riding is None
-        finally:
-            feed.close()
+    with _exchange_due() as (_, feed):
+        _wait(lambda: len(feed._ready) >= 2)  # no step came: it did not wait for one
+        assert feed.rides == 0 and feed._riding is None
 
 
 def test_the_training_side_needing_a_task_never_waits_for_a_step(monkeypatch):
     monkeypatch.setattr(elastic, "RIDE_SECONDS", 60.0)  # a step would be a long time coming
-    with _client(lane_calls=True) as client:
-        feed = DataFeed(_Session(client), DataPlan(examples=10, task_size=2, seed=1, total=20), prefetch=2)
-        try:
-            feed.next_task()
-            while feed._ready:
-                feed.finish(feed.next_task())
-            _wait(lambda: feed._riding is not None)
-            started = time.monotonic()
-            lease = feed.next_task()  # withdraws the ride; the exchange is made at once
-            assert lease is not None and time.monotonic() - started < 10.0
-            assert feed.rides == 0 and feed.stalls == 2
-            _step(client)  # carries nothing now
-            assert feed.rides == 0
-        finally:
-            feed.close()
+    with _exchange_due() as (client, feed):
+        _wait(lambda: feed._riding is not None)
+        started = time.monotonic()
+        lease = feed.next_task()  # withdraws the ride; the exchange is made at once
+        assert lease is not None and time.monotonic() - started < 10.0
+        assert feed.rides == 0 and feed.stalls == 2
+        _step(client)  # carries nothing now
+        assert feed.rides == 0
