@@ -33,7 +33,7 @@ from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2
 from psworker.client import ClientOptions, PSClient
 from psworker.shard import LaneCallError
-from tests.security.test_lanes_hardening import hung_up, wait_for
+from tests.security.lane_harness import hung_up, wait_for
 from tests.service.test_lanes import client_for
 
 pytestmark = pytest.mark.timeout(60)

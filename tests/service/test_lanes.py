@@ -26,7 +26,7 @@ from pswire.optim import OptimizerConfig
 from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psworker.client import ClientOptions, PSClient
-from tests.security.test_lanes_hardening import wait_for
+from tests.security.lane_harness import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
