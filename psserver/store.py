@@ -348,10 +348,12 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
                 self._counters.pushes_dropped += 1
                 log.debug("push of %s dropped: %s", worker.name, decision.reason)
             elif parts or rows:  # a push with neither only advances the worker's clock
-                screened = self._verify_update(parts, grads, decision.lr_scale, f"push of {worker.name}", known)
+                # The learning-rate schedule runs on this shard's update count (OptimizerConfig.lr_factor).
+                lr_scale = decision.lr_scale * job.optimizer.lr_factor(self._version + 1)
+                screened = self._verify_update(parts, grads, lr_scale, f"push of {worker.name}", known)
                 updates = self._prepare_rows(rows, decision.lr_scale, worker.name)
                 self._version += 1
-                self._apply_update(screened, decision.lr_scale)
+                self._apply_update(screened, lr_scale)
                 for update in updates:
                     update.table.commit(update)
                 self._counters.pushes_applied += 1
@@ -436,8 +438,12 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
     ) -> list[RowUpdate]:
         # Caller holds _lock. Every table's update is computed and checked before anything is
         # written.
+        update = self._version + 1
         try:
-            return [self._tables[table].prepare(ids, values, lr_scale) for table, ids, values in rows]
+            return [
+                self._tables[table].prepare(ids, values, lr_scale * self._tables[table].spec.optimizer.lr_factor(update))
+                for table, ids, values in rows
+            ]
         except NonFiniteRows as exc:
             self._counters.updates_nonfinite += exc.update
             raise NonFiniteError(f"push of {who} refused: {exc}") from None
@@ -465,12 +471,13 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
 
     def _apply_aggregate(self) -> None:
         # Caller holds _lock. One update per sync clock: the mean of the gradients received.
-        assert self._rule is not None
+        assert self._rule is not None and self._job is not None
         means = list(self._sync.means())
         received = self._sync.received
+        lr_scale = self._job.optimizer.lr_factor(self._version + 1)
         try:
             screened = self._verify_update(  # counts a refusal in updates_nonfinite
-                [self._slots[key].part for key, _ in means], [mean for _, mean in means], 1.0,
+                [self._slots[key].part for key, _ in means], [mean for _, mean in means], lr_scale,
                 f"the mean of sync clock {self._open_clock}", [None] * len(means),
             )
             updates = []
@@ -479,7 +486,8 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
                 if received > 1:
                     sums /= np.float32(received)
                 try:
-                    updates.append(self._tables[table].prepare(ids, sums))
+                    spec = self._tables[table].spec
+                    updates.append(self._tables[table].prepare(ids, sums, spec.optimizer.lr_factor(self._version + 1)))
                 except InvalidArgumentError as exc:
                     self._counters.updates_nonfinite += 1
                     raise InvalidArgumentError(f"table {table!r}: {exc}") from None
@@ -489,7 +497,7 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
             log.warning("sync clock %d's update dropped: %s", self._open_clock, exc)
         else:
             self._version += 1
-            self._apply_update(screened, 1.0)
+            self._apply_update(screened, lr_scale)
             for update in updates:
                 update.table.commit(update)
             self._counters.pushes_applied += 1

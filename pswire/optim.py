@@ -11,9 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTIMIZERS", "OptimizerConfig"]
+__all__ = ["MAX_SCHEDULE_STEPS", "OPTIMIZERS", "OptimizerConfig"]
 
 OPTIMIZERS = ("sgd", "adam", "adagrad")
+MAX_SCHEDULE_STEPS = 1 << 53
+"""The largest ``warmup_steps`` or ``decay_steps``: update counts stay exact as floats."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +47,15 @@ class OptimizerConfig:
     """Adagrad: learning-rate decay."""
     initial_accumulator_value: float = 0.0
     """Adagrad: starting value of the sum of squares."""
+    warmup_steps: int = 0
+    """Learning-rate warm-up: the shard's first N updates use ``lr * t / N`` (update ``t``
+    counted from 1), as ``torch.optim.lr_scheduler.LinearLR(start_factor=1/N, total_iters=N-1)``."""
+    decay_steps: int = 0
+    """Cosine decay: updates after the warm-up, up to update N, follow
+    ``torch.optim.lr_scheduler.CosineAnnealingLR(T_max=N - warmup_steps, eta_min=min_lr_ratio * lr)``
+    and later ones keep update N's rate. 0: no decay."""
+    min_lr_ratio: float = 0.0
+    """Cosine decay: the rate it tends to, as a fraction of ``lr``."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -67,6 +78,48 @@ class OptimizerConfig:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.lr_decay < 0 or self.initial_accumulator_value < 0:
             raise ValueError("adagrad lr_decay and initial_accumulator_value must be >= 0")
+        for name in ("warmup_steps", "decay_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SCHEDULE_STEPS:
+                raise ValueError(f"{name} must be an integer in 0..{MAX_SCHEDULE_STEPS}, got {value!r}")
+        if self.decay_steps and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"decay_steps ({self.decay_steps}) must be above warmup_steps ({self.warmup_steps}): the decay "
+                "follows the warm-up"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.min_lr_ratio and not self.decay_steps:
+            raise ValueError("min_lr_ratio needs decay_steps: it is where the cosine decay ends")
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the learning rate changes with the update count."""
+        return bool(self.warmup_steps or self.decay_steps)
+
+    def lr_factor(self, update: int) -> float:
+        """The multiple of ``lr`` that update ``update`` (the shard's, counted from 1) uses: 1.0
+        without a schedule, else the warm-up then the cosine decay. Always > 0 for ``update >= 1``."""
+        warmup, decay = self.warmup_steps, self.decay_steps
+        if update < 1:
+            raise ValueError(f"updates are counted from 1, got {update}")
+        if warmup and update <= warmup:
+            return update / warmup
+        if not decay:
+            return 1.0
+        span = decay - warmup
+        done = min(update - warmup - 1, span - 1)  # CosineAnnealingLR's epoch: 0 for the first decayed update
+        floor = self.min_lr_ratio
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * done / span))
+
+    def describe_schedule(self) -> str:
+        """The schedule in words (``constant`` when there is none)."""
+        parts = []
+        if self.warmup_steps:
+            parts.append(f"warm-up over {self.warmup_steps} updates")
+        if self.decay_steps:
+            parts.append(f"cosine decay to {self.min_lr_ratio:g} x lr at update {self.decay_steps}")
+        return ", then ".join(parts) or "constant"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

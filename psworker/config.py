@@ -14,6 +14,8 @@ from dataclasses import InitVar, dataclass, field
 from pswire.consistency import Consistency
 from pswire.flags import add_fields, add_version, parse
 from pswire.optim import OPTIMIZERS, OptimizerConfig
+
+LR_SCHEDULES = ("constant", "cosine")
 from pswire.placement import PACK_BELOW
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security
 
@@ -58,6 +60,14 @@ class WorkerConfig:
     amsgrad: bool = _f(False, "Adam: AMSGrad variant.", flag=True)
     lr_decay: float = _f(0.0, "Adagrad learning-rate decay.")
     initial_accumulator_value: float = _f(0.0, "Adagrad initial accumulator.")
+    lr_schedule: str = _f("constant", "Learning-rate schedule, run by the shards over their update count: constant, "
+                          "or cosine (decay to --min-lr-ratio x lr by --decay-steps, as torch's CosineAnnealingLR).",
+                          choices=LR_SCHEDULES)
+    warmup_steps: int = _f(0, "Warm up the learning rate linearly over the shards' first N updates (any schedule).")
+    decay_steps: int | None = _f(None, "Cosine: the update at which the decay ends (default: the job's length in "
+                                 "updates: its steps across all workers in async and ssp, one worker's in sync with "
+                                 "--worker-index; give it for a sync job of dynamic data).")
+    min_lr_ratio: float = _f(0.0, "Cosine: the learning rate it ends at, as a fraction of --lr.")
     seed: int = _f(0, "Seed of the model's initial weights and of the data order.")
     device: str = _f("auto", "cpu, cuda, cuda:N or auto (CUDA when available).")
     threads: int = _f(0, "Threads torch may use for compute; 0 keeps torch's default (pscluster sets 1 per worker).")
@@ -210,9 +220,20 @@ class WorkerConfig:
             return f"{socket.gethostname()}-{os.getpid()}"
         return f"worker-{self.index}"
 
-    def optimizer_config(self, *, default_name: str, default_lr: float, default_momentum: float = 0.0) -> OptimizerConfig:
-        """The job's optimizer from flags, falling back to the task's defaults. Raises
+    def optimizer_config(
+        self, *, default_name: str, default_lr: float, default_momentum: float = 0.0, job_updates: int = 0,
+    ) -> OptimizerConfig:
+        """The job's optimizer from flags, falling back to the task's defaults; ``job_updates``
+        is the cosine schedule's length when ``--decay-steps`` is not given. Raises
         ``ValueError`` for invalid settings."""
+        decay_steps = 0
+        if self.lr_schedule == "cosine":
+            decay_steps = self.decay_steps if self.decay_steps is not None else job_updates
+            if decay_steps <= self.warmup_steps:
+                raise ValueError(f"--lr-schedule cosine decays from update {self.warmup_steps + 1} "
+                                 f"(after --warmup-steps) to --decay-steps, but the decay ends at update {decay_steps}")
+        elif self.decay_steps is not None or self.min_lr_ratio:
+            raise ValueError("--decay-steps and --min-lr-ratio belong to --lr-schedule cosine")
         name = self.optimizer or default_name
         same_as_task = name == default_name
         momentum = self.momentum if self.momentum is not None else (default_momentum if same_as_task else 0.0)
@@ -229,6 +250,9 @@ class WorkerConfig:
             amsgrad=self.amsgrad,
             lr_decay=self.lr_decay,
             initial_accumulator_value=self.initial_accumulator_value,
+            warmup_steps=self.warmup_steps,
+            decay_steps=decay_steps,
+            min_lr_ratio=self.min_lr_ratio,
         )
 
 

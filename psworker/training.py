@@ -125,6 +125,15 @@ def _steps(config: WorkerConfig, task: Task, data: DataSlice, batch_size: int) -
     return max(1, task.defaults.steps // config.count)
 
 
+def _job_updates(config: WorkerConfig, plan: DataPlan | None, total: int | None, batch_size: int) -> int:
+    """The job's length in the shards' updates, the default end of a cosine schedule: one per
+    step in async and ssp (every worker's steps), one per clock in sync."""
+    if plan is not None:
+        return math.ceil(plan.total / batch_size)
+    assert total is not None
+    return total if config.local or config.mode == "sync" else total * config.count
+
+
 def data_plan(config: WorkerConfig, task: Task, batch_size: int) -> DataPlan:
     """The job's dynamic-data plan from the flags: ``--epochs`` passes over the data, or
     ``--steps`` batches (default: the task's job steps), in tasks of ``--data-task-size``."""
@@ -159,14 +168,15 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
     task = load_task(config.task, seed=config.seed, options=config.task_option_map())
     defaults = task.defaults
     batch_size = config.batch_size or defaults.batch_size
-    opt_config = config.optimizer_config(
-        default_name=defaults.optimizer, default_lr=defaults.lr, default_momentum=defaults.momentum
-    )
     model = task.model.to(device)
     x_train, y_train = task.train
     data = DataSlice(len(x_train), config.index, config.count, config.seed)
     plan = data_plan(config, task, batch_size) if config.dynamic else None
     total = None if plan is not None else _steps(config, task, data, batch_size)
+    opt_config = config.optimizer_config(
+        default_name=defaults.optimizer, default_lr=defaults.lr, default_momentum=defaults.momentum,
+        job_updates=_job_updates(config, plan, total, batch_size),
+    )
 
     session = None
     if config.local:
@@ -185,10 +195,10 @@ def train(config: WorkerConfig, *, registry: CollectorRegistry | None = None,
                           overlap=config.overlap)
         model, optimizer = session.prepare(model, opt_config, consistency=config.consistency())
     log.info(
-        "%s: task %s on %s, %s of batch %d, %s lr %g, %s",
+        "%s: task %s on %s, %s of batch %d, %s lr %g (%s), %s",
         config.name, config.task, device,
         f"{total} steps" if plan is None else f"dynamic data ({plan.describe()})", batch_size, opt_config.name,
-        opt_config.lr,
+        opt_config.lr, opt_config.describe_schedule(),
         "local" if config.local else f"{len(session.client.addresses)} shard(s), {session.client.consistency.describe()}",
     )
 
@@ -396,10 +406,14 @@ class LocalOptimizers:
     """The ``--local`` baseline of a model with ``ShardedEmbedding`` tables: the tables become
     ``nn.Embedding(sparse=True)`` with the same initial rows (``psworker.embedding.localize``),
     each stepped by the torch optimizer its table's rule follows (``SGD``, ``Adagrad``,
-    ``SparseAdam``), and the rest of the model by the job's optimizer."""
+    ``SparseAdam``), and the rest of the model by the job's optimizer. Also the baseline of a job
+    with a learning-rate schedule: step ``t`` (from 1) runs each optimizer at its settings'
+    ``lr * lr_factor(t)``, as the shards do at their update ``t``."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(self, optimizers: list[torch.optim.Optimizer], settings: list | None = None) -> None:
         self.optimizers = optimizers
+        self.settings = settings if settings is not None else [None] * len(optimizers)
+        self.steps = 0
 
     @property
     def param_groups(self) -> list[dict]:
@@ -411,7 +425,11 @@ class LocalOptimizers:
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        for o in self.optimizers:
+        self.steps += 1
+        for o, c in zip(self.optimizers, self.settings):
+            if c is not None and c.scheduled:
+                for group in o.param_groups:
+                    group["lr"] = c.lr * c.lr_factor(self.steps)
             o.step()
         return loss
 
@@ -423,7 +441,8 @@ def local_training(model: torch.nn.Module, c) -> tuple[torch.nn.Module, torch.op
 
     tables = [(path, module.spec_for(c, module.name or path)) for path, module in sharded_embeddings(model)]
     if not tables:
-        return model, _local_optimizer(model.parameters(), c)
+        optimizer = _local_optimizer(model.parameters(), c)
+        return model, (LocalOptimizers([optimizer], [c]) if c.scheduled else optimizer)
     device = next(model.parameters()).device
     localize(model)
     for path, _ in tables:
@@ -436,7 +455,7 @@ def local_training(model: torch.nn.Module, c) -> tuple[torch.nn.Module, torch.op
             optimizers.append(torch.optim.SparseAdam([weight], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps))
         else:
             optimizers.append(_local_optimizer([weight], t))
-    return model, LocalOptimizers(optimizers)
+    return model, LocalOptimizers(optimizers, [c] + [spec.optimizer for _, spec in tables])
 
 
 def _local_optimizer(params, c) -> torch.optim.Optimizer:

@@ -43,7 +43,7 @@ class PartSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., full_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
 
 class OptimizerSettings(_message.Message):
-    __slots__ = ("name", "lr", "momentum", "dampening", "nesterov", "weight_decay", "beta1", "beta2", "eps", "amsgrad", "lr_decay", "initial_accumulator_value")
+    __slots__ = ("name", "lr", "momentum", "dampening", "nesterov", "weight_decay", "beta1", "beta2", "eps", "amsgrad", "lr_decay", "initial_accumulator_value", "warmup_steps", "decay_steps", "min_lr_ratio")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,9 @@ class OptimizerSettings(_message.Message):
     AMSGRAD_FIELD_NUMBER: _ClassVar[int]
     LR_DECAY_FIELD_NUMBER: _ClassVar[int]
     INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECAY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_LR_RATIO_FIELD_NUMBER: _ClassVar[int]
     name: str
     lr: float
     momentum: float
@@ -68,7 +71,10 @@ class OptimizerSettings(_message.Message):
     amsgrad: bool
     lr_decay: float
     initial_accumulator_value: float
-    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., amsgrad: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ...) -> None: ...
+    warmup_steps: int
+    decay_steps: int
+    min_lr_ratio: float
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., amsgrad: _Optional[bool] = ..., lr_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., decay_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
 
 class ConsistencySettings(_message.Message):
     __slots__ = ("mode", "staleness", "backup_workers", "stale_policy")

@@ -52,7 +52,11 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("optimizer", [("sgd", "--momentum", "0.9"), ("adam",)], ids=["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", [
+    ("sgd", "--momentum", "0.9"), ("adam",),
+    # The shard's schedule over its updates against --local's over its steps.
+    ("adam", "--lr-schedule", "cosine", "--warmup-steps", "20", "--min-lr-ratio", "0.1"),
+], ids=["sgd", "adam", "adam-warmup-cosine"])
 def test_sync_with_one_worker_matches_local_step_for_step(shards, optimizer):
     (a,) = shards(1)
     args = ("--task", "mnist1d-mlp", "--steps", "200", "--threads", "1", "--record-losses",

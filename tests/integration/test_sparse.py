@@ -69,6 +69,10 @@ def _local_run(table_opt: str, steps: int) -> tuple[list[float], torch.Tensor, d
         opts = [torch.optim.Adagrad(sparse, lr=0.05, eps=1e-10), torch.optim.Adagrad(dense, lr=0.05, eps=1e-10)]
     else:
         opts = [torch.optim.SparseAdam(sparse, lr=0.01), torch.optim.Adam(dense, lr=0.01)]
+    # torch's own scheduler at the rates the shards run over their updates (step t: lr_factor(t)).
+    schedule = _SCHEDULED.get(table_opt)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda epoch: schedule.lr_factor(epoch + 1))
+                  for o in opts] if schedule else []
     losses = []
     for ids, y in _batches(steps):
         for o in opts:
@@ -77,6 +81,8 @@ def _local_run(table_opt: str, steps: int) -> tuple[list[float], torch.Tensor, d
         loss.backward()
         for o in opts:
             o.step()
+        for scheduler in schedulers:
+            scheduler.step()
         losses.append(loss.item())
     return losses, model.emb.weight.detach().clone(), {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -87,8 +93,8 @@ def _sharded_run(address: str, table_opt: str, steps: int) -> tuple[list[float],
         job_opt = OptimizerConfig(name="adagrad", lr=0.05, eps=1e-10)
         model = _Model()
     else:
-        job_opt = OptimizerConfig(name="adam", lr=0.01)
-        model = _Model(OptimizerConfig(name="adam", lr=0.01))
+        job_opt = _SCHEDULED.get(table_opt, OptimizerConfig(name="adam", lr=0.01))
+        model = _Model(job_opt)
     session = psworker.connect(address, worker_name="w0", options=ClientOptions(timeout=30))
     try:
         model, optimizer = session.prepare(model, job_opt, consistency=Consistency(mode="sync"))
@@ -106,7 +112,12 @@ def _sharded_run(address: str, table_opt: str, steps: int) -> tuple[list[float],
     return losses, torch.from_numpy(table), {n: p.detach().clone() for n, p in model.named_parameters()}, statuses
 
 
-@pytest.mark.parametrize("table_opt", ["adagrad", "sparse_adam"])
+# Table and dense rates on a schedule: warm-up, then cosine decay over the run's 200 updates.
+_SCHEDULED = {"sparse_adam_scheduled": OptimizerConfig(name="adam", lr=0.01, warmup_steps=20, decay_steps=200,
+                                                       min_lr_ratio=0.1)}
+
+
+@pytest.mark.parametrize("table_opt", ["adagrad", "sparse_adam", "sparse_adam_scheduled"])
 def test_one_sync_worker_matches_local_sparse_training(shards, table_opt):
     a, b = shards(2)
     steps = 200
