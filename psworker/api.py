@@ -315,7 +315,8 @@ class DistributedOptimizer:
 
     The update rule runs on the shards, so the wrapped optimizer never steps; it is kept for
     ``zero_grad`` and ``param_groups``. Learning-rate changes made locally (e.g. by a scheduler)
-    do not reach the shards.
+    do not reach the shards: give a schedule in the job's ``OptimizerConfig`` (``warmup_steps``,
+    ``decay_steps``, ``min_lr_ratio``), which the shards run over their update count.
     """
 
     def __init__(self, session: Session, local: torch.optim.Optimizer | None) -> None:
