@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pswire.data import DataPlan
 from pswire.errors import PreconditionError, PSError
 from pswire.flags import add_version
+from pswire.optim import OptimizerConfig
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security, host_of, write_token_files
 from psworker.admin import AdminClient
 from psworker.options import ClientOptions
@@ -84,6 +85,19 @@ def _plain(message) -> dict:
     return out
 
 
+def _rate(optimizer: dict, version: int) -> str:
+    """``lr 0.01``, and with a schedule where it stands: the rate the shard's next update runs at."""
+    text = f"lr {optimizer.get('lr', '-')}"
+    if optimizer.get("warmup_steps") or optimizer.get("decay_steps"):
+        try:
+            config = OptimizerConfig.from_dict(optimizer)
+        except (TypeError, ValueError):  # a shard of another version: its settings as given
+            return text
+        update = version + 1
+        text += f" ({config.describe_schedule()}; update {update} at {config.lr * config.lr_factor(update):.3g})"
+    return text
+
+
 def _table(shards: list[dict]) -> str:
     cols = ("shard", "address", "state", "variables", "bytes", "opt_bytes", "version", "clock",
             "workers", "applied", "dropped", "scaled", "rejected", "max_stale")
@@ -115,7 +129,7 @@ def _table(shards: list[dict]) -> str:
             for i, b in enumerate(s["staleness_histogram"]) if b["count"]
         )
         lines.append(
-            f"{s['address']}: mode {mode}; optimizer {opt.get('name', '-')} lr {opt.get('lr', '-')}; "
+            f"{s['address']}: mode {mode}; optimizer {opt.get('name', '-')} {_rate(opt, s['version'])}; "
             f"staleness histogram {hist or '-'}; pulls waited {s['pull_wait_seconds']:.1f}s; "
             f"lease {s['lease_seconds']:g}s, {s['workers_evicted']} evicted; "
             f"push bytes in flight {s['push_bytes_in_flight']} (peak {s['push_bytes_in_flight_peak']}, "

@@ -30,6 +30,16 @@ def test_status_names_each_table_on_each_shard():
     assert "a:1: table 'emb'" in text and "300 pushed, 400 pulled, step 3" in text
 
 
+def test_status_shows_a_schedule_and_the_rate_of_the_next_update():
+    shard = _shard("a:1", 0, 0, applied=149)
+    shard["optimizer"] = {"name": "adam", "lr": 0.01, "warmup_steps": 100, "decay_steps": 1100, "min_lr_ratio": 0.0}
+    text = _table([shard])
+    # Update 150: 50 updates into a 1000-update cosine decay.
+    assert ("optimizer adam lr 0.01 (warm-up over 100 updates, then cosine decay to 0 x lr at update 1100; "
+            "update 150 at 0.00994)") in text
+    assert "optimizer adagrad lr 0.1;" in _table([_shard("a:1", 0, 0)])
+
+
 def test_watch_rates_count_table_rows_per_second():
     before = [_shard("a:1", 300, 400), _shard("b:2", 100, 200)]
     after = [_shard("a:1", 700, 1000, applied=30), _shard("b:2", 300, 400, applied=30)]
