@@ -190,6 +190,9 @@ class ShardCollector(Collector):
         yield waits
 
         yield GaugeMetricFamily("psserver_version", "Updates applied to this shard's variables.", value=r.version)
+        yield GaugeMetricFamily("psserver_learning_rate", "The learning rate this shard's next update runs at: the "
+                                "job's lr times its schedule's factor at that update (0 before a job).",
+                                value=r.learning_rate)
         yield GaugeMetricFamily("psserver_clock", "The shard's clock: steps every live worker has completed (sync: "
                                 "clocks applied).", value=r.clock)
         workers = GaugeMetricFamily("psserver_workers", "Workers this shard knows, by state.", labels=("state",))

@@ -108,6 +108,7 @@ class Reports:
                 clock=self._current_clock(),
                 variable_bytes=sum(p.nbytes for p in job.parts) if job else 0,
                 optimizer_state_bytes=sum(t.nbytes for s in self._slots.values() for t in s.state.values()),
+                learning_rate=job.optimizer.lr * job.optimizer.lr_factor(self._version + 1) if job else 0.0,
                 workers=states,
                 evictions=c.workers_evicted,
                 pushes={

@@ -217,6 +217,9 @@ class Reading:
     clock: int
     variable_bytes: int
     optimizer_state_bytes: int
+    learning_rate: float
+    """The rate the shard's next update of its variables runs at: the job's ``lr`` times its
+    schedule's factor (``OptimizerConfig.lr_factor``); 0 before a job."""
     workers: dict[str, int]
     """Workers in each state: live, evicted, left, fenced (each counted in one)."""
     evictions: int

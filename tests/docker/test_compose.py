@@ -258,6 +258,8 @@ def test_three_identical_workers_split_the_data_with_tokens_on(cluster):
     _accuracy(results, 3)
     _dynamic_split(results)
     assert len({r["worker"] for r in results}) == 3, results
+    # Compose's default schedule, over the task's 6,000 steps (docker/compose.yaml).
+    assert len(c.log_matches("worker", r"adam lr 0\.01 \(cosine decay to 0 x lr at update 6000\)")) == 3
 
     # The shards checked the tokens compose.tokens.yaml made: psctl needs one, the reader's does.
     assert c.log_matches("shard0", r"3 token\(s\) checked") and c.log_matches("shard1", r"3 token\(s\) checked")

@@ -28,7 +28,7 @@ def test_the_contract_table_lists_every_metric_family():
     contract = contract_metrics()
     shard = {n for n in contract if n.startswith("psserver_")}
     worker = {n for n in contract if n.startswith("psworker_")}
-    assert len(shard) == 27 and len(worker) == 12, sorted(contract)
+    assert len(shard) == 28 and len(worker) == 12, sorted(contract)
     assert contract["psserver_table_rows"].labels == ("state",) and contract["psserver_table_rows"].type == "gauge"
     assert contract["psworker_table_rows_total"].type == "counter"
     assert contract["psserver_rpc_duration_seconds"].labels == ("method", "code")
@@ -111,7 +111,8 @@ def test_dashboard_queries_use_only_contract_metrics():
                  "psserver_rpc_duration_seconds_count", "psserver_workers", "psserver_evictions_total",
                  "psserver_checkpoint_last_success_timestamp_seconds", "psserver_checkpoint_duration_seconds_sum",
                  "psserver_checkpoint_failures_total", "psserver_pushes_total", "psserver_push_bytes_total",
-                 "psserver_pull_bytes_total", "psserver_version", "psserver_clock", "psworker_retries_total",
+                 "psserver_pull_bytes_total", "psserver_version", "psserver_clock", "psserver_learning_rate",
+                 "psworker_retries_total",
                  "psworker_rejoins_total", "psserver_checkpoint_last_id", "psserver_data_epoch", "psserver_data_tasks",
                  "psserver_data_examples", "psserver_data_tasks_requeued_total"):
         assert name in used, f"no panel plots {name}"

@@ -56,6 +56,7 @@ CONTRACT: dict[str, tuple[str, tuple[str, ...]]] = {
     "psserver_pull_wait_seconds": ("counter", ()),
     "psserver_pull_waits": ("counter", ("worker",)),
     "psserver_version": ("gauge", ()),
+    "psserver_learning_rate": ("gauge", ()),
     "psserver_clock": ("gauge", ()),
     "psserver_workers": ("gauge", ("state",)),
     "psserver_evictions": ("counter", ()),

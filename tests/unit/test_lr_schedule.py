@@ -19,7 +19,7 @@ from pswire.wire import optimizer_from_proto, optimizer_to_proto
 from pswire.errors import InvalidArgumentError
 from psworker.config import parse_args
 from psworker.training import local_training
-from tests.unit.test_shard_metrics import PART, registration
+from tests.unit.test_shard_metrics import PART, registration, registry_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,12 +119,16 @@ def _weights(store: ShardStore) -> np.ndarray:
 
 def test_a_shard_applies_update_t_at_lr_times_the_factor_of_t_and_resumes_after_a_restore():
     store, w = _scheduled_job()
+    registry = registry_of(store)
     expected = np.zeros(2)
     for t in range(1, 7):
+        # psserver_learning_rate: the rate the next update (t) runs at.
+        assert registry.get_sample_value("psserver_learning_rate") == SCHEDULE.lr * SCHEDULE.lr_factor(t)
         result = store.apply_push(w.worker_id, w.generation, t, t - 1, [PART], [np.ones(2)], session=w.session)
         assert result.version == t
         expected -= SCHEDULE.lr_factor(t)  # SGD with lr 1 and a gradient of ones
         assert _weights(store) == pytest.approx(expected, rel=1e-15)
+    assert registry_of(ShardStore()).get_sample_value("psserver_learning_rate") == 0.0  # before a job
     # A restored shard carries on at its restored update count, not from the warm-up again.
     _, tensors, metadata = store.export()
     restored = ShardStore()
