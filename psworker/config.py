@@ -14,10 +14,11 @@ from dataclasses import InitVar, dataclass, field
 from pswire.consistency import Consistency
 from pswire.flags import add_fields, add_version, parse
 from pswire.optim import OPTIMIZERS, OptimizerConfig
-
-LR_SCHEDULES = ("constant", "cosine")
 from pswire.placement import PACK_BELOW
 from pswire.security import TOKEN_ENV, ClientSecurity, client_security
+
+LR_SCHEDULES = ("constant", "cosine")
+"""psworker --lr-schedule: constant, or cosine decay (``OptimizerConfig.decay_steps``)."""
 
 __all__ = ["WorkerConfig", "build_parser", "parse_args", "parse_task_options"]
 
