@@ -182,7 +182,11 @@ def test_a_shard_actor_killed_is_restarted_by_ray_restores_and_the_workers_finis
     assert [r["process"] for r in summary["restarts"]] == ["shard0"], summary["restarts"]
     assert summary["restarts"][0]["restored"] == int(restarted[2])
     assert_all_data(summary)
-    assert summary["test_accuracy"] >= baseline[1]["test_accuracy"] - 0.02, summary
+    # The band of the tier's other two-worker jobs, not the baseline's own draw less 0.02: at the
+    # task's constant rate a job's final accuracy is one draw from a spread wider than that (the
+    # 3-worker job ended at 0.903-0.943 in five runs, docs/consistency.md "Learning-rate
+    # schedules"), and a CI run's baseline read 0.939 with this job at 0.913.
+    assert summary["test_accuracy"] >= 0.88, (summary, baseline[1]["test_accuracy"])
 
 
 def test_a_worker_added_while_the_job_runs_joins_takes_data_and_leaves_when_scaled_down(ray_cluster, tmp_path):
