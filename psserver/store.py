@@ -440,10 +440,8 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         # written.
         update = self._version + 1
         try:
-            return [
-                self._tables[table].prepare(ids, values, lr_scale * self._tables[table].spec.optimizer.lr_factor(update))
-                for table, ids, values in rows
-            ]
+            tables = [(self._tables[name], ids, values) for name, ids, values in rows]
+            return [t.prepare(ids, values, lr_scale * t.spec.optimizer.lr_factor(update)) for t, ids, values in tables]
         except NonFiniteRows as exc:
             self._counters.updates_nonfinite += exc.update
             raise NonFiniteError(f"push of {who} refused: {exc}") from None
@@ -474,7 +472,8 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         assert self._rule is not None and self._job is not None
         means = list(self._sync.means())
         received = self._sync.received
-        lr_scale = self._job.optimizer.lr_factor(self._version + 1)
+        update = self._version + 1
+        lr_scale = self._job.optimizer.lr_factor(update)
         try:
             screened = self._verify_update(  # counts a refusal in updates_nonfinite
                 [self._slots[key].part for key, _ in means], [mean for _, mean in means], lr_scale,
@@ -486,8 +485,8 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
                 if received > 1:
                     sums /= np.float32(received)
                 try:
-                    spec = self._tables[table].spec
-                    updates.append(self._tables[table].prepare(ids, sums, spec.optimizer.lr_factor(self._version + 1)))
+                    held = self._tables[table]
+                    updates.append(held.prepare(ids, sums, held.spec.optimizer.lr_factor(update)))
                 except InvalidArgumentError as exc:
                     self._counters.updates_nonfinite += 1
                     raise InvalidArgumentError(f"table {table!r}: {exc}") from None

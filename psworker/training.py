@@ -23,6 +23,7 @@ from psworker.client import ClientOptions
 from psworker.config import WorkerConfig
 from psworker.elastic import DataFeed, default_task_size, epoch_order
 from pswire.data import DataPlan
+from pswire.optim import OptimizerConfig
 from psworker.tasks import Task, evaluate, load_task
 
 if TYPE_CHECKING:
@@ -410,9 +411,9 @@ class LocalOptimizers:
     with a learning-rate schedule: step ``t`` (from 1) runs each optimizer at its settings'
     ``lr * lr_factor(t)``, as the shards do at their update ``t``."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], settings: list | None = None) -> None:
+    def __init__(self, optimizers: list[torch.optim.Optimizer], settings: list[OptimizerConfig]) -> None:
         self.optimizers = optimizers
-        self.settings = settings if settings is not None else [None] * len(optimizers)
+        self.settings = settings
         self.steps = 0
 
     @property
@@ -427,7 +428,7 @@ class LocalOptimizers:
         loss = closure() if closure is not None else None
         self.steps += 1
         for o, c in zip(self.optimizers, self.settings):
-            if c is not None and c.scheduled:
+            if c.scheduled:
                 for group in o.param_groups:
                     group["lr"] = c.lr * c.lr_factor(self.steps)
             o.step()
