@@ -16,20 +16,34 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
+import importlib.metadata
 import inspect
+import io
 import logging
 import math
 import os
 import random
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["BUILTIN_TASKS", "Task", "TaskDefaults", "evaluate", "linreg_optimum", "load_task"]
+from pswire.files import write_atomically
+
+__all__ = ["BUILTIN_TASKS", "CACHE_ENV", "Task", "TaskDefaults", "data_cache_dir", "evaluate", "linreg_optimum",
+           "load_task"]
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "PSGRPC_CACHE_DIR"
+"""Environment variable: the directory where generated datasets (MNIST-1D) are kept for the
+next process; ``off`` keeps none (default: ``$XDG_CACHE_HOME/psgrpc``, else ``~/.cache/psgrpc``)."""
 
 BUILTIN_TASKS: tuple[str, ...] = ("mnist1d-mlp", "mnist1d-cnn", "linreg", "dlrm-synth")
 
@@ -147,8 +161,94 @@ def _quiet(logger_name: str) -> Iterator[None]:
         logger.setLevel(logging.NOTSET)
 
 
+def data_cache_dir() -> Path | None:
+    """Where generated datasets are kept (``CACHE_ENV``), or None when caching is off or the
+    user has no home directory."""
+    configured = os.environ.get(CACHE_ENV, "").strip()
+    if configured.lower() == "off":
+        return None
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return None if base.startswith("~") else Path(base) / "psgrpc"
+
+
+_MNIST1D_ARRAYS = {"x": (np.float32, 2), "y": (np.int64, 1), "x_test": (np.float32, 2), "y_test": (np.int64, 1)}
+
+
+def _digest(arrays: tuple[np.ndarray, ...]) -> bytes:
+    hasher = hashlib.sha256()
+    for a in arrays:
+        hasher.update(f"{a.dtype.str}{a.shape}".encode())
+        hasher.update(np.ascontiguousarray(a).data)
+    return hasher.digest()
+
+
+def _mnist1d_cache_file() -> Path | None:
+    # The data is a pure function of the mnist1d release (get_dataset_args()' defaults, seed 42).
+    directory = data_cache_dir()
+    if directory is None:
+        return None
+    try:
+        release = importlib.metadata.version("mnist1d")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return directory / f"mnist1d-{release}.npz"
+
+
+def _read_mnist1d(path: Path) -> tuple[np.ndarray, ...] | None:
+    """The arrays kept in ``path``, or None (logged) when it is missing, unreadable, of the
+    wrong form or fails its checksum. Read with ``allow_pickle=False``: nothing is unpickled."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = tuple(np.array(data[key]) for key in _MNIST1D_ARRAYS)
+            digest = np.array(data["sha256"]).tobytes()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        log.warning("ignoring the cached MNIST-1D data in %s (%s): generating it again", path, exc)
+        return None
+    for (key, (dtype, ndim)), a in zip(_MNIST1D_ARRAYS.items(), arrays):
+        if a.dtype != dtype or a.ndim != ndim:
+            log.warning("ignoring the cached MNIST-1D data in %s: %r is %s of %d dimension(s), expected %s of %d; "
+                        "generating it again", path, key, a.dtype, a.ndim, np.dtype(dtype), ndim)
+            return None
+    if digest != _digest(arrays):
+        log.warning("ignoring the cached MNIST-1D data in %s: its checksum does not match its arrays; "
+                    "generating it again", path)
+        return None
+    return arrays
+
+
+def _keep_mnist1d(path: Path, arrays: tuple[np.ndarray, ...]) -> None:
+    """Write ``arrays`` to ``path`` in one rename; a directory that cannot take it is logged
+    and skipped (the next process generates the data again)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **dict(zip(_MNIST1D_ARRAYS, arrays)), sha256=np.frombuffer(_digest(arrays), dtype=np.uint8))
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomically(path, buffer.getvalue())
+    except OSError as exc:
+        log.info("cannot keep MNIST-1D in %s (%s): the next process generates it again (%s=off skips this)",
+                 path.parent, exc, CACHE_ENV)
+
+
 @functools.lru_cache(maxsize=1)
 def _mnist1d_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """MNIST-1D's train and test arrays, read-only: from the data cache (:func:`data_cache_dir`)
+    when it holds them, else generated (several seconds of CPU) and kept there."""
+    path = _mnist1d_cache_file()
+    arrays = _read_mnist1d(path) if path is not None else None
+    if arrays is None:
+        arrays = _generate_mnist1d()
+        if path is not None:
+            _keep_mnist1d(path, arrays)
+    for a in arrays:
+        a.flags.writeable = False  # shared by every load in this process
+    return arrays  # type: ignore[return-value]
+
+
+def _generate_mnist1d() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     # mnist1d imports matplotlib.pyplot; a headless worker must not need a display.
     os.environ.setdefault("MPLBACKEND", "Agg")
     with _quiet("matplotlib"):
@@ -162,11 +262,8 @@ def _mnist1d_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-    arrays = (data["x"].astype(np.float32), data["y"].astype(np.int64),
-              data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))
-    for a in arrays:
-        a.flags.writeable = False  # shared by every load in this process
-    return arrays
+    return (data["x"].astype(np.float32), data["y"].astype(np.int64),
+            data["x_test"].astype(np.float32), data["y_test"].astype(np.int64))
 
 
 def _mnist1d_task(name: str, model: nn.Module, defaults: TaskDefaults) -> Task:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,24 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+_DATA_CACHE = "PSGRPC_CACHE_DIR"  # psworker.tasks.CACHE_ENV (a test holds the two equal)
+_session_cache: str | None = None
+
+
+def pytest_configure(config):
+    # The session's processes share one data cache of their own (generated MNIST-1D), made by
+    # the first that needs it: neither the user's cache nor a generation per worker started.
+    global _session_cache
+    if _DATA_CACHE not in os.environ:
+        _session_cache = tempfile.mkdtemp(prefix="psgrpc-test-cache-")
+        os.environ[_DATA_CACHE] = _session_cache
+
+
+def pytest_unconfigure(config):
+    if _session_cache is not None:
+        os.environ.pop(_DATA_CACHE, None)
+        shutil.rmtree(_session_cache, ignore_errors=True)
 
 
 SPREAD = {"PSWORKER_PACK_BELOW": "0"}

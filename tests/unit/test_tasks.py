@@ -228,6 +228,6 @@ def test_evaluate_without_test_split_and_bad_batch_size() -> None:
 
 
 def test_public_surface() -> None:
-    assert set(tasks.__all__) == {"BUILTIN_TASKS", "Task", "TaskDefaults", "evaluate",
+    assert set(tasks.__all__) == {"BUILTIN_TASKS", "CACHE_ENV", "Task", "TaskDefaults", "data_cache_dir", "evaluate",
                                   "linreg_optimum", "load_task"}
     assert BUILTIN_TASKS == ("mnist1d-mlp", "mnist1d-cnn", "linreg", "dlrm-synth")
