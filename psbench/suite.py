@@ -16,8 +16,8 @@ from psbench.checks import compute_checks
 from psbench.config import Plan
 from psbench.procs import Children
 from psbench.ps import ADAM, GoodputResult, measure_goodput, measure_small_latency
-from psbench.tasks import DATA_ENV, save_mnist1d
 from pswire.codec import DEFAULT_CHUNK_BYTES
+from psworker.tasks import _mnist1d_arrays
 
 __all__ = ["SCHEMA", "run"]
 
@@ -31,10 +31,9 @@ _MEMORY_SLACK_BYTES = 200 * MIB
 
 
 class _Run:
-    def __init__(self, plan: Plan, children: Children, data_path: Path) -> None:
+    def __init__(self, plan: Plan, children: Children) -> None:
         self.plan = plan
         self.children = children
-        self.data_path = data_path
         self.results: dict = {}
         self.goodput: dict[tuple[int, int], GoodputResult] = {}
         # Paired references, kept from the baselines section to the end of the run.
@@ -189,8 +188,9 @@ class _Run:
     # -- helpers -------------------------------------------------------------------------------
 
     def _training_data(self) -> None:
-        if not self.data_path.exists():
-            save_mnist1d(self.data_path)  # once here instead of seconds in every worker
+        # Generated here, once, into psworker's data cache, instead of for seconds in every worker
+        # (a no-op once it is there; PSGRPC_CACHE_DIR=off leaves each worker to generate it).
+        _mnist1d_arrays()
 
     def _goodput(self, size: int, shards: int, reps: int) -> GoodputResult:
         result = measure_goodput(self.children, size, shards, reps=reps, warmup=self.plan.transfer_warmup,
@@ -229,7 +229,6 @@ def run(plan: Plan, workdir: Path) -> dict:
     """Run ``plan`` with children and scratch files in ``workdir``; returns the results document
     (sections, checks, environment). Every child is stopped before it returns."""
     started = time.time()
-    data_path = workdir / "mnist1d.npz"
     doc: dict = {
         "schema": SCHEMA,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
@@ -237,8 +236,8 @@ def run(plan: Plan, workdir: Path) -> dict:
         "environment": environment.describe(),
     }
     doc["environment"]["load_average_at_start"] = environment.load_average()
-    with Children(workdir, env={DATA_ENV: str(data_path)}) as children:
-        runner = _Run(plan, children, data_path)
+    with Children(workdir) as children:
+        runner = _Run(plan, children)
         bodies = {"baselines": runner.baselines, "goodput": runner.goodput_section, "latency": runner.latency,
                   "training": runner.training, "memory": runner.memory, "tls": runner.tls,
                   "metrics": runner.metrics, "elastic": runner.elastic, "sparse": runner.sparse,

@@ -6,18 +6,15 @@ Three widths span the regimes that limit a parameter server differently: at W=10
 parameters) a step is almost all per-call overhead, at W=2048 (about 4.3M parameters, 17 MiB)
 it is bytes on the wire against matrix products.
 
-Generating MNIST-1D takes several seconds per process. ``psbench`` generates it once and hands
-the arrays to its workers in an ``.npz`` file named by ``PSBENCH_MNIST1D`` (read with
-``allow_pickle=False``: nothing is unpickled); without it a task generates the data itself, so
-the tasks also work on their own.
+Generating MNIST-1D takes several seconds per process. ``psbench`` generates it once, before
+its first worker starts, into psworker's data cache (``psworker.tasks.data_cache_dir``), where
+every worker then reads it.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,17 +22,10 @@ from torch import nn
 
 from psworker.tasks import Task, TaskDefaults, _mnist1d_arrays, _MnistCnn
 
-__all__ = ["CNN_DEFAULTS", "DATA_ENV", "WIDTHS", "build_mlp", "mlp100", "mlp1024", "mlp2048", "mnist1d_cnn",
-           "save_mnist1d"]
-
-DATA_ENV = "PSBENCH_MNIST1D"
-"""Environment variable naming an ``.npz`` of the MNIST-1D arrays written by :func:`save_mnist1d`."""
+__all__ = ["CNN_DEFAULTS", "WIDTHS", "build_mlp", "mlp100", "mlp1024", "mlp2048", "mnist1d_cnn"]
 
 WIDTHS = (100, 1024, 2048)
 """Hidden widths of the benchmark MLPs: about 15K, 1.1M and 4.3M parameters."""
-
-_KEYS = ("x", "y", "x_test", "y_test")
-_DTYPES = {"x": np.float32, "y": np.int64, "x_test": np.float32, "y_test": np.int64}
 
 # SGD keeps the shard's apply cheap (no optimizer state), so the figures measure the transport
 # and the training loop, not Adam's arithmetic. Plain SGD at 0.05 trains these MLPs stably.
@@ -43,35 +33,6 @@ _DEFAULTS = TaskDefaults(optimizer="sgd", lr=0.05, batch_size=64, steps=2000)
 
 CNN_DEFAULTS = TaskDefaults(optimizer="adam", lr=1e-2, batch_size=100, steps=6000)
 """psworker's ``mnist1d-cnn`` defaults (``psworker.tasks``; a test holds the two equal)."""
-
-
-def save_mnist1d(path: str | os.PathLike) -> Path:
-    """Generate MNIST-1D and write its arrays to ``path`` (an ``.npz``). Returns the path."""
-    path = Path(path)
-    arrays = dict(zip(_KEYS, _mnist1d_arrays()))
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
-    return path
-
-
-def _load_arrays() -> tuple[np.ndarray, ...]:
-    """The cached arrays when ``PSBENCH_MNIST1D`` names a file, else freshly generated ones.
-
-    Raises ``ValueError`` when the named file lacks an array or holds the wrong dtype, so a stale
-    or foreign file is not trained on silently.
-    """
-    cached = os.environ.get(DATA_ENV)
-    if not cached:
-        return _mnist1d_arrays()
-    with np.load(cached, allow_pickle=False) as data:
-        missing = [k for k in _KEYS if k not in data.files]
-        if missing:
-            raise ValueError(f"{DATA_ENV}={cached}: arrays {missing} are missing")
-        arrays = tuple(data[k] for k in _KEYS)
-    for key, array in zip(_KEYS, arrays):
-        if array.dtype != _DTYPES[key]:
-            raise ValueError(f"{DATA_ENV}={cached}: {key!r} is {array.dtype}, expected {np.dtype(_DTYPES[key])}")
-    return arrays
 
 
 def build_mlp(width: int) -> nn.Sequential:
@@ -83,7 +44,7 @@ def build_mlp(width: int) -> nn.Sequential:
 
 
 def _task(width: int) -> Task:
-    x, y, x_test, y_test = (torch.from_numpy(np.array(a)) for a in _load_arrays())  # private copies
+    x, y, x_test, y_test = (torch.from_numpy(np.array(a)) for a in _mnist1d_arrays())  # private copies
     return Task(name=f"psbench-mlp{width}", model=build_mlp(width), train=(x, y), test=(x_test, y_test),
                 loss_fn=nn.functional.cross_entropy, defaults=_DEFAULTS)
 
@@ -105,7 +66,7 @@ def mlp2048(seed: int = 0) -> Task:
 
 def mnist1d_cnn(seed: int = 0, compute_ms: str | float = 0) -> Task:
     """psworker's built-in ``mnist1d-cnn``, the same model, weights, data and defaults, on the
-    arrays psbench cached: workers start without generating MNIST-1D.
+    data psbench cached (the same arrays): workers start without generating MNIST-1D.
 
     ``compute_ms`` (``--task-options compute_ms=30``): each training forward pass also sleeps
     this long, standing for compute on an accelerator of the worker's own, so that workers do not
@@ -117,6 +78,6 @@ def mnist1d_cnn(seed: int = 0, compute_ms: str | float = 0) -> Task:
     model = _MnistCnn()  # first, as the built-in does: the seeded RNG gives the same weights
     if delay > 0:
         model.register_forward_pre_hook(lambda module, inputs: time.sleep(delay) if module.training else None)
-    x, y, x_test, y_test = (torch.from_numpy(np.array(a)) for a in _load_arrays())
+    x, y, x_test, y_test = (torch.from_numpy(np.array(a)) for a in _mnist1d_arrays())
     return Task(name="mnist1d-cnn", model=model, train=(x, y), test=(x_test, y_test),
                 loss_fn=nn.functional.cross_entropy, defaults=CNN_DEFAULTS)

@@ -308,6 +308,14 @@ def test_prometheus_scrapes_every_target_and_every_query_has_data(cluster):
     assert all(w["State"] == "running" for w in c.containers("worker"))
 
 
+def test_the_worker_image_carries_mnist1d_so_its_workers_never_generate_it(engine, built):
+    # Generation disabled: load_task must read the image's data cache (docker/Dockerfile).
+    out = engine.docker("run", "--rm", "--network", "none", "psgrpc-worker:latest", "python", "-c",
+                        "from psworker import tasks; tasks._generate_mnist1d = None; "
+                        "t = tasks.load_task('mnist1d-cnn'); print(tuple(t.train[0].shape), tasks.data_cache_dir())").stdout
+    assert out.split() == ["(4000,", "40)", "/home/psgrpc/.cache/psgrpc"], out
+
+
 def test_compose_config_publishes_only_prometheus_and_grafana_on_loopback(engine):
     for files in (["docker/compose.yaml"], ["docker/compose.yaml", "docker/compose.gpu.yaml"],
                   ["docker/compose.yaml", "docker/compose.tokens.yaml"]):
