@@ -1,5 +1,6 @@
 """A worker's log carries the worker's news only: importing mnist1d makes matplotlib build its
-font cache in a fresh MPLCONFIGDIR, which it announces at INFO, and that line must not show."""
+font cache in a fresh MPLCONFIGDIR, which it announces at INFO, and that line must not show.
+(The worker generates MNIST-1D here, data cache off: one that reads the cache imports neither.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def test_a_worker_with_a_fresh_matplotlib_cache_logs_nothing_of_matplotlib(tmp_p
     config_dir = tmp_path / "mpl"
     proc = subprocess.run(
         [sys.executable, "-m", "psworker", "--local", "--task", "mnist1d-mlp", "--steps", "20", "--progress", "log"],
-        capture_output=True, text=True, timeout=240, env=dict(child_env(), MPLCONFIGDIR=str(config_dir)), cwd=ROOT,
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env=dict(child_env(), MPLCONFIGDIR=str(config_dir), PSGRPC_CACHE_DIR="off"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(config_dir.glob("fontlist-*.json")), "matplotlib built no font cache: the case was not exercised"
