@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 
 import numpy as np
 
 from pswire.dtypes import DType
 
-__all__ = ["BufferPool", "trim_heap"]
+__all__ = ["SETTLE_BYTES", "USER_MALLOC_SETTINGS", "BufferPool", "settle_heap", "trim_heap"]
 
 
 class BufferPool:
@@ -46,14 +47,54 @@ class BufferPool:
                     free.append(array)
 
 
-def _libc_trim():
+def _glibc(name: str):
+    """glibc's function ``name``, or None where the C library is not glibc."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
         return None
 
 
-_MALLOC_TRIM = _libc_trim()
+_MALLOC_TRIM = _glibc("malloc_trim")
+_MALLOC, _FREE = _glibc("malloc"), _glibc("free")
+if _MALLOC is not None:
+    _MALLOC.restype, _MALLOC.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+if _FREE is not None:
+    _FREE.restype, _FREE.argtypes = None, [ctypes.c_void_p]
+
+SETTLE_BYTES = 4 << 20
+"""The block :func:`settle_heap` maps and frees: glibc then serves blocks below about this size
+from the heap, and keeps up to twice this of freed memory at the heap's top."""
+USER_MALLOC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+"""glibc's environment settings of malloc's bounds: where one is set (or ``GLIBC_TUNABLES``
+names a ``glibc.malloc`` one), :func:`settle_heap` leaves malloc as the user set it."""
+
+
+def settle_heap(nbytes: int = SETTLE_BYTES) -> bool:
+    """Move glibc's malloc to where it keeps a shard's per-call memory instead of returning it.
+
+    glibc starts a process mapping every block of 128 KiB or more afresh and giving the free
+    top of a heap back to the system beyond 128 KiB; it raises the bounds (to a block's size and
+    twice that) each time a mapped block larger than the first bound is freed. A shard serving
+    table rows allocates and frees temporaries of up to a few hundred KiB per call and may never
+    free a mapped block, so every call's memory went back to the system and was faulted in again, page
+    by page. One block of ``nbytes`` mapped and freed here moves the bounds as that would have,
+    and glibc's adaptation goes on from there (a larger block freed later raises them again).
+    The shard does it at its first push, once its initial values are in place: an upload made
+    with the bounds raised keeps more of its chunks' memory, and a shard's peak with it.
+    Returns whether it was done: not without glibc, nor where the environment sets malloc's
+    bounds (``USER_MALLOC_SETTINGS``), which turns that adaptation off.
+    """
+    if _MALLOC is None or _FREE is None:
+        return False
+    if any(os.environ.get(name) for name in USER_MALLOC_SETTINGS) or "glibc.malloc." in os.environ.get(
+            "GLIBC_TUNABLES", ""):
+        return False
+    block = _MALLOC(nbytes)
+    if not block:
+        return False
+    _FREE(block)
+    return True
 
 
 def trim_heap() -> None:

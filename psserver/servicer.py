@@ -12,7 +12,7 @@ import numpy as np
 from pswire import errors, frames
 from pswire.codec import Part, array_bytes, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
-from psserver.buffers import trim_heap
+from psserver.buffers import settle_heap, trim_heap
 from pswire.data import DataTask
 from psserver.guard import CallGuard, IdleStreams, tolerant
 from psserver.inflight import InflightBudget
@@ -128,6 +128,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.traffic = Traffic()
         self._intake = PushIntake(store, max_request_bytes=max_request_bytes, budget=self._budget, idle=self._idle,
                                   lanes=lanes, traffic=self.traffic)
+        self.heap_settled = False
+        """Whether the first applied push settled the C heap (``psserver.buffers.settle_heap``)."""
 
     def stop(self) -> None:
         """Stop the idle-stream watchdog (the server has stopped serving)."""
@@ -269,6 +271,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         finally:
             release()
+        if not self.heap_settled:
+            # Training has begun: the initial values (uploaded as glibc's defaults have it, so
+            # their chunks were returned at once) are in place, and each call's temporaries
+            # should now stay in the heap.
+            self.heap_settled = True
+            if not settle_heap():
+                log.debug("the C heap is left as it is (not glibc, or malloc's bounds set in the environment)")
         return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
 
     def Checkpoint(self, request: ps_pb2.CheckpointRequest, context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
