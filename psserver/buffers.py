@@ -77,8 +77,8 @@ def settle_heap(nbytes: int = SETTLE_BYTES) -> bool:
     top of a heap back to the system beyond 128 KiB; it raises the bounds (to a block's size and
     twice that) each time a mapped block larger than the first bound is freed. A shard serving
     table rows allocates and frees temporaries of up to a few hundred KiB per call and may never
-    free a mapped block, so every call's memory went back to the system and was faulted in again, page
-    by page. One block of ``nbytes`` mapped and freed here moves the bounds as that would have,
+    free a mapped block, so every call's memory went back to the system and was faulted in
+    again, page by page. One block of ``nbytes`` mapped and freed here moves the bounds as that would have,
     and glibc's adaptation goes on from there (a larger block freed later raises them again).
     The shard does it at its first push, once its initial values are in place: an upload made
     with the bounds raised keeps more of its chunks' memory, and a shard's peak with it.
