@@ -47,20 +47,19 @@ class BufferPool:
                     free.append(array)
 
 
-def _glibc(name: str):
-    """glibc's function ``name``, or None where the C library is not glibc."""
+def _glibc():
+    """The C library, or None where it is not glibc (then there is nothing to trim or settle)."""
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
     except (OSError, AttributeError):
         return None
+    return libc
 
 
-_MALLOC_TRIM = _glibc("malloc_trim")
-_MALLOC, _FREE = _glibc("malloc"), _glibc("free")
-if _MALLOC is not None:
-    _MALLOC.restype, _MALLOC.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-if _FREE is not None:
-    _FREE.restype, _FREE.argtypes = None, [ctypes.c_void_p]
+_LIBC = _glibc()
 
 SETTLE_BYTES = 4 << 20
 """The block :func:`settle_heap` maps and frees: glibc then serves blocks below about this size
@@ -70,7 +69,7 @@ USER_MALLOC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MAL
 names a ``glibc.malloc`` one), :func:`settle_heap` leaves malloc as the user set it."""
 
 
-def settle_heap(nbytes: int = SETTLE_BYTES) -> bool:
+def settle_heap() -> bool:
     """Move glibc's malloc to where it keeps a shard's per-call memory instead of returning it.
 
     glibc starts a process mapping every block of 128 KiB or more afresh and giving the free
@@ -78,22 +77,23 @@ def settle_heap(nbytes: int = SETTLE_BYTES) -> bool:
     twice that) each time a mapped block larger than the first bound is freed. A shard serving
     table rows allocates and frees temporaries of up to a few hundred KiB per call and may never
     free a mapped block, so every call's memory went back to the system and was faulted in
-    again, page by page. One block of ``nbytes`` mapped and freed here moves the bounds as that would have,
-    and glibc's adaptation goes on from there (a larger block freed later raises them again).
+    again, page by page. One block of ``SETTLE_BYTES`` mapped and freed here moves the bounds as
+    that would have, and glibc's adaptation goes on from there (a larger block freed later
+    raises them again).
     The shard does it at its first push, once its initial values are in place: an upload made
     with the bounds raised keeps more of its chunks' memory, and a shard's peak with it.
     Returns whether it was done: not without glibc, nor where the environment sets malloc's
     bounds (``USER_MALLOC_SETTINGS``), which turns that adaptation off.
     """
-    if _MALLOC is None or _FREE is None:
+    if _LIBC is None:
         return False
     if any(os.environ.get(name) for name in USER_MALLOC_SETTINGS) or "glibc.malloc." in os.environ.get(
             "GLIBC_TUNABLES", ""):
         return False
-    block = _MALLOC(nbytes)
+    block = _LIBC.malloc(SETTLE_BYTES)
     if not block:
         return False
-    _FREE(block)
+    _LIBC.free(block)
     return True
 
 
@@ -104,5 +104,5 @@ def trim_heap() -> None:
     chunks in each thread's arena, about 11 MiB on a 256 MiB model, resident for the life of the
     shard. Trimming once the variables are in place returns them. A no-op without glibc.
     """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

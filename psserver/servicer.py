@@ -128,8 +128,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.traffic = Traffic()
         self._intake = PushIntake(store, max_request_bytes=max_request_bytes, budget=self._budget, idle=self._idle,
                                   lanes=lanes, traffic=self.traffic)
-        self.heap_settled = False
-        """Whether the first applied push settled the C heap (``psserver.buffers.settle_heap``)."""
+        self._heap_settled = False  # by the first applied push (psserver.buffers.settle_heap)
 
     def stop(self) -> None:
         """Stop the idle-stream watchdog (the server has stopped serving)."""
@@ -271,11 +270,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             _abort(context, exc)
         finally:
             release()
-        if not self.heap_settled:
+        if not self._heap_settled:
             # Training has begun: the initial values (uploaded as glibc's defaults have it, so
             # their chunks were returned at once) are in place, and each call's temporaries
             # should now stay in the heap.
-            self.heap_settled = True
+            self._heap_settled = True
             if not settle_heap():
                 log.debug("the C heap is left as it is (not glibc, or malloc's bounds set in the environment)")
         return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
