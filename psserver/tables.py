@@ -118,7 +118,7 @@ class RowTable:
     def read(self, ids: np.ndarray, index: np.ndarray) -> np.ndarray:
         """A copy of rows ``ids`` at their local ``index`` (:meth:`locate`), initial values for
         rows never written."""
-        out = self.values[index]
+        out = _gather(self.values, index)
         fresh = ~self.written[index]
         if fresh.any():
             out[fresh] = self._initial(ids[fresh], keep=True)
@@ -137,7 +137,7 @@ class RowTable:
             want = np.flatnonzero(missing)
             at = np.minimum(np.searchsorted(known_ids, ids[want]), known_ids.size - 1)
             hit = known_ids[at] == ids[want]
-            out[want[hit]] = known[at[hit]]
+            out[want[hit]] = _gather(known, at[hit])
             missing[want[hit]] = False
         if missing.any():
             out[missing] = initial_rows(self.spec, ids[missing])
@@ -157,8 +157,8 @@ class RowTable:
             )
         if not np.isfinite(grads).all():
             raise NonFiniteRows(f"table {self.spec.name!r}: gradient contains NaN or Inf", update=False)
-        values = self.values[index]
-        state = {name: buf[index] for name, buf in self.state.items()}
+        values = _gather(self.values, index)
+        state = {name: _gather(buf, index) for name, buf in self.state.items()}
         fresh = ~self.written[index]
         if fresh.any():
             values[fresh] = self._initial(ids[fresh])
@@ -225,6 +225,12 @@ class RowTable:
             self.state[name][index] = piece[f"state/{name}"]
         self.written[index] = True
         self.rows_written += ids.size
+
+
+def _gather(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """A copy of ``table``'s rows at ``index`` (as ``table[index]``): ``np.take`` copies whole rows
+    at about twice the speed of advanced indexing for the few hundred rows of a call."""
+    return np.take(table, index, axis=0)
 
 
 def _zero_pages(shape: tuple[int, int]) -> np.ndarray:
