@@ -3,7 +3,11 @@
 Every worker computes the same map and sends its digest with ``Register``; shards refuse a
 worker whose map disagrees. Variables larger than a threshold are split by rows into one range
 per shard (TensorFlow's variable partitioner, ps-lite key ranges); the rest are placed largest
-first on the least-loaded shard, so no shard holds more than its share plus one small variable.
+first on the least-loaded shard, so no shard holds more than its share plus one small variable
+(and a row of rounding). A split variable's pieces need distinct shards, so small variables
+placed first can leave its last piece only a shard they filled; a model that this would put
+above the bound has its split pieces placed first instead (every other model keeps the
+largest-first placement, and with it the layout of its checkpoints).
 A model of at most ``PACK_BELOW`` bytes in all lives whole on shard 0: spread, it would cost a
 call per shard per step for bytes that cost less to move than a call.
 """
@@ -125,18 +129,32 @@ def place(
         for start, end in _row_ranges(rows, pieces):
             items.append((index, pieces, Part(var.name, var.shape, var.dtype, start, end)))
 
+    # Largest first, ties broken by name and rows, so the result never depends on dict order.
+    assigned = _greedy(items, num_shards, lambda it: (-it[2].nbytes, it[2].name, it[2].row_start))
+    widest_row = max(v.nbytes // max(1, v.shape[0] if v.shape else 1) for v in spec)
+    if max(sum(p.nbytes for _, p in parts) for parts in assigned) > total / num_shards + threshold + widest_row:
+        # Small variables placed before a split variable's smaller pieces can leave those pieces
+        # only the shards the small ones filled (a split variable's pieces need distinct shards):
+        # then the split pieces go first, which bounds every shard again. Only such models are
+        # placed this way, so every other model's placement (and its checkpoints) stays as it was.
+        assigned = _greedy(items, num_shards, lambda it: (it[1] == 1, -it[2].nbytes, it[2].name, it[2].row_start))
+    shards = tuple(
+        tuple(p for _, p in sorted(parts, key=lambda it: (it[0], it[1].row_start))) for parts in assigned
+    )
+    return Placement(num_shards, shards)
+
+
+def _greedy(items: list[tuple[int, int, Part]], num_shards: int, order) -> list[list[tuple[int, Part]]]:
+    """Each item, in ``order``, on the least-loaded shard (the lowest index among equals) that
+    holds no other piece of its variable when the variable is split."""
     load = [0] * num_shards
     holders: dict[str, set[int]] = {}
     assigned: list[list[tuple[int, Part]]] = [[] for _ in range(num_shards)]
-    # Largest first, ties broken by name and rows, so the result never depends on dict order.
-    for index, pieces, part in sorted(items, key=lambda it: (-it[2].nbytes, it[2].name, it[2].row_start)):
+    for index, pieces, part in sorted(items, key=order):
         taken = holders.setdefault(part.name, set())
         candidates = [s for s in range(num_shards) if s not in taken] if pieces > 1 else range(num_shards)
         shard = min(candidates, key=lambda s: (load[s], s))
         load[shard] += part.nbytes
         taken.add(shard)
         assigned[shard].append((index, part))
-    shards = tuple(
-        tuple(p for _, p in sorted(parts, key=lambda it: (it[0], it[1].row_start))) for parts in assigned
-    )
-    return Placement(num_shards, shards)
+    return assigned

@@ -55,6 +55,29 @@ def test_no_shard_holds_much_more_than_its_share(shape_list, num_shards):
     assert max(loads) <= total / num_shards + threshold + widest_row
 
 
+def test_small_variables_do_not_crowd_a_split_variables_last_piece_onto_one_shard():
+    # Largest first, v1 and v0 (unsplit, just below v2's pieces) fill shard 4, and v2's
+    # smallest piece, which must avoid the four shards holding its other pieces, lands there
+    # too: 494,120 bytes, 2.1 x the share. Placed split pieces first instead, no shard holds
+    # more than one piece and one small variable.
+    spec = _spec([(182, 226), (186, 222), (934, 221)])
+    placement = place(spec, 5)
+    total = sum(v.nbytes for v in spec)
+    assert max(placement.shard_bytes()) <= total / 5 + MIN_SPLIT_BYTES + 226 * 4
+    assert max(placement.shard_bytes()) == 165_308 + 164_528
+    assert sorted(shard for shard, _ in placement.parts_of("v2")) == [0, 1, 2, 3, 4]
+
+
+def test_a_balanced_largest_first_placement_is_kept():
+    # Split pieces first would move a's pieces here (a[0:275] to shard 0): a model the
+    # largest-first order already bounds keeps that placement, and its checkpoints their layout.
+    spec = [VariableSpec("a", (1100, 64), FLOAT32), VariableSpec("b", (250, 256), FLOAT32),
+            VariableSpec("c", (200, 256), FLOAT32)]
+    placement = place(spec, 4)
+    assert [[p.key for p in shard] for shard in placement.shards] == [
+        ["a[825:1100]", "b"], ["a[550:825]", "c"], ["a[0:275]"], ["a[275:550]"]]
+
+
 def test_one_large_tensor_is_split_evenly_by_rows():
     placement = place([VariableSpec("emb", (1000, 256), FLOAT32)], 4)
     assert placement.shard_bytes() == [250 * 256 * 4] * 4
