@@ -379,28 +379,41 @@ def _batches(data: DataSlice, first: int, last: int, batch_size: int) -> Iterato
 
 
 def _wait_for_workers(session, count: int, timeout: float, name: str, mode: str) -> None:
-    """Hold step 1 until ``count`` workers are live on every shard (``--min-workers``; sync and
+    """Hold step 1 until ``count`` workers have joined every shard (``--min-workers``; sync and
     SSP workers of a static split wait for ``--num-workers``). In sync every clock then averages
     every worker's gradient from the first; in SSP the staleness bound covers every worker from
     the first (without this, the first workers to start would train alone, up to the whole job,
     before a slow one joined); in async the workers train side by side from the first step, at
-    the staleness they will keep. Raises ``DeadlineError`` after ``timeout``."""
+    the staleness they will keep. Raises ``DeadlineError`` after ``timeout``.
+
+    A worker that has trained and gone (left, or evicted) counts as joined: the others may start
+    and finish the whole job between two polls of a worker still holding, which would otherwise
+    wait for them forever. One that went without pushing (it gave up holding) does not count."""
     deadline = time.monotonic() + timeout
     next_log = time.monotonic() + 5.0
     pause = threading.Event()
     while True:
-        live = min(sum(w.live for w in s.workers) for s in session.status())
-        if live >= count:
+        joined = _joined_workers([s.workers for s in session.status()])
+        if joined >= count:
             return
         now = time.monotonic()
         if now > deadline:
             raise errors.DeadlineError(
-                f"only {live} of {count} workers joined the {mode} job within {timeout:.0f}s (--wait-timeout)"
+                f"only {joined} of {count} workers joined the {mode} job within {timeout:.0f}s (--wait-timeout)"
             )
         if now >= next_log:
-            log.info("%s waits for %d of %d workers to join before step 1", name, count - live, count)
+            log.info("%s waits for %d of %d workers to join before step 1", name, count - joined, count)
             next_log = now + 5.0
         pause.wait(0.05)  # a plain timed wait between status polls; nothing sets it
+
+
+def _joined_workers(shards) -> int:
+    """How many workers joined the job, from each shard's ``WorkerInfo`` list: those live on
+    every shard, and those gone after pushing to any (see :func:`_wait_for_workers`; a model
+    packed on shard 0 gets no pushes on the others)."""
+    live = set.intersection(*({w.worker_name for w in workers if w.live} for workers in shards))
+    gone = {w.worker_name for workers in shards for w in workers if not w.live and w.pushes > 0}
+    return len(live | gone)
 
 
 class LocalOptimizers:
