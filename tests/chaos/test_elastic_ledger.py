@@ -149,13 +149,17 @@ def _examples(tasks: set[TaskRange]) -> set[int]:
     return {int(i) for _, start, end in tasks for i in order[start:end]}
 
 
-def _check_ledger(counts: torch.Tensor, allowed: set[int], why: str) -> set[int]:
-    """Every example trained once, or twice where ``allowed``; returns the doubles."""
+def _check_ledger(counts: torch.Tensor, allowed: set[int], why: str, thrice_allowed: frozenset[int] = frozenset()
+                  ) -> set[int]:
+    """Every example trained once, or twice where ``allowed``, or three times where
+    ``thrice_allowed`` (its task had two second chances); returns the doubles."""
     assert torch.equal(counts, counts.round()), "counts must stay whole numbers (+1 per training)"
     skipped = (counts < 1).nonzero().flatten().tolist()
     assert not skipped, f"{len(skipped)} example(s) never trained, e.g. {skipped[:10]}"
-    thrice = (counts > 2).nonzero().flatten().tolist()
-    assert not thrice, f"{len(thrice)} example(s) trained 3+ times, e.g. {thrice[:10]}: {counts[thrice[:10]]}"
+    over = (counts > 3).nonzero().flatten().tolist()
+    assert not over, f"{len(over)} example(s) trained 4+ times, e.g. {over[:10]}: {counts[over[:10]]}"
+    thrice = [i for i in (counts == 3).nonzero().flatten().tolist() if i not in thrice_allowed]
+    assert not thrice, f"{len(thrice)} example(s) trained 3 times, e.g. {thrice[:10]}: {counts[thrice[:10]]}"
     doubles = set((counts == 2).nonzero().flatten().tolist())
     unexpected = sorted(doubles - allowed)
     assert not unexpected, (f"{len(unexpected)} example(s) trained twice outside the tasks {why} "
@@ -296,8 +300,15 @@ def test_shard0_restored_from_a_checkpoint_trains_every_example_once_but_the_lea
     assert result_a["data"]["stopped"] is False and result_c["data"]["stopped"] is True
 
     given = _given_back([old_log, shard.log()])
+    # A task can have two second chances: w-b's, given back at its eviction and trained again
+    # by w-a or w-c, can be theirs mid-way when the checkpoint is cut, and so go back once more
+    # at the restore. Its examples (w-b's part, then the re-leaser's part before the cut) may
+    # then count three trainings.
+    evicted = set().union(*_given_back([old_log]).values())
+    restored = set().union(leased, *_given_back([shard.log()]).values())
     doubles = _check_job(ps, set().union(leased, *given.values()),
-                         f"leased in checkpoint {checkpoint_id} or the killed worker held")
+                         f"leased in checkpoint {checkpoint_id} or the killed worker held",
+                         thrice_allowed=frozenset(_examples(evicted) & _examples(restored)))
     print(f"restored checkpoint {checkpoint_id} with {len(leased)} task(s) leased; given back by evictions "
           f"{ {k: sorted(v) for k, v in given.items()} }; {len(doubles)} example(s) trained twice")
 
@@ -324,15 +335,16 @@ def test_worker_registered_after_the_checkpoint_drops_its_tasks_on_the_restore(t
                f"leased in checkpoint {checkpoint_id}")
 
 
-def _check_job(ps: str, allowed: set[TaskRange], why: str) -> set[int]:
+def _check_job(ps: str, allowed: set[TaskRange], why: str, thrice_allowed: frozenset[int] = frozenset()) -> set[int]:
     """The finished job's queue and ledger: every example credited once, trained once or, in
-    ``allowed`` tasks, twice; the counts are exactly the applied pushes. Returns the doubles."""
+    ``allowed`` tasks, twice (the examples ``thrice_allowed``: three times); the counts are
+    exactly the applied pushes. Returns the doubles."""
     status = _status(ps)
     assert status.data.finished and status.data.examples_done == EXAMPLES, status.data
     assert status.data.tasks_leased == 0 and not status.data.holders
     counts = _counts(ps)
     assert counts.sum().item() == status.pushes_applied * BATCH, "every applied push trained one batch, once"
-    return _check_ledger(counts, _examples(allowed), why)
+    return _check_ledger(counts, _examples(allowed), why, thrice_allowed)
 
 
 def _check_checkpoint(part) -> None:
