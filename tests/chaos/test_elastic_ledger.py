@@ -306,8 +306,7 @@ def test_shard0_restored_from_a_checkpoint_trains_every_example_once_but_the_lea
     # then count three trainings.
     evicted = set().union(*_given_back([old_log]).values())
     restored = set().union(leased, *_given_back([shard.log()]).values())
-    doubles = _check_job(ps, set().union(leased, *given.values()),
-                         f"leased in checkpoint {checkpoint_id} or the killed worker held",
+    doubles = _check_job(ps, evicted | restored, f"leased in checkpoint {checkpoint_id} or the killed worker held",
                          thrice_allowed=frozenset(_examples(evicted) & _examples(restored)))
     print(f"restored checkpoint {checkpoint_id} with {len(leased)} task(s) leased; given back by evictions "
           f"{ {k: sorted(v) for k, v in given.items()} }; {len(doubles)} example(s) trained twice")
