@@ -181,6 +181,9 @@ class TableRows:
         self.step_reads_allowed = True
         """False when steps run in the background (overlap): rows announced for the step are
         then pulled in the background at once."""
+        self._announced: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        """Table -> (ids, their distinct ids, inverse) of the last prefetch: the lookup of the same
+        ids takes them rather than sorting the batch's ids again."""
         self.rows_looked_up = 0
         """Ids looked up for training, repeats included (the unique ratio's denominator)."""
         self.rows_unique = 0
@@ -188,7 +191,11 @@ class TableRows:
 
     def lookup(self, module: ShardedEmbedding, ids: torch.Tensor) -> torch.Tensor:
         name = module.name
-        unique, inverse = _distinct(module, ids)
+        announced = self._announced.pop(name, None)
+        if announced is not None and _same_ids(announced[0], ids):
+            unique, inverse = announced[1], announced[2]
+        else:
+            unique, inverse = _distinct(module, ids)
         training = module.training and torch.is_grad_enabled()
         ahead = self._prefetched.pop(name, None)
         try:
@@ -218,7 +225,8 @@ class TableRows:
         if self.client.consistency.mode is not Mode.ASYNC:
             raise ValueError(f"prefetching rows needs an async job, and this one is "
                              f"{self.client.consistency.describe()}: its reads wait on the bound")
-        unique, _ = _distinct(module, ids)
+        unique, inverse = _distinct(module, ids)
+        self._announced[module.name] = (ids.detach().to("cpu", copy=True), unique, inverse)
         if with_step and self.step_reads_allowed:
             self._with_step[module.name] = unique
             return
@@ -253,6 +261,7 @@ class TableRows:
         """Stop the prefetching thread (the session closes)."""
         self._prefetched.clear()
         self._with_step.clear()
+        self._announced.clear()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
 
@@ -290,6 +299,7 @@ class TableRows:
             pending.cancel()
         self._prefetched.clear()
         self._with_step.clear()
+        self._announced.clear()
 
 
 def _distinct(module: ShardedEmbedding, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,6 +312,13 @@ def _distinct(module: ShardedEmbedding, ids: torch.Tensor) -> tuple[torch.Tensor
         bad = int(unique[0]) if int(unique[0]) < 0 else int(unique[-1])
         raise IndexError(f"table {module.name!r}: id {bad} is out of range for {module.num_embeddings} rows")
     return unique, inverse
+
+
+def _same_ids(known: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether ``ids`` holds the ids ``known`` (a CPU copy of an earlier batch's) held."""
+    if ids.shape != known.shape or ids.dtype != known.dtype:
+        return False
+    return torch.equal(known, ids if ids.device == known.device else ids.to(known.device))
 
 
 def table_client(model: nn.Module):

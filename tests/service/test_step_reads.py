@@ -211,3 +211,49 @@ def test_a_step_read_the_shard_refuses_applies_nothing(lane_calls):
             assert block.table == "emb"
             np.testing.assert_array_equal(np.frombuffer(block.values, dtype=np.float32).reshape(3, DIM),
                                           initial_rows(TABLE, np.array([0, 5, 17])))
+
+
+def test_a_lookup_of_the_announced_ids_sorts_them_once_and_ids_changed_since_are_sorted_afresh(monkeypatch):
+    """The lookup of the batch announced with ``prefetch`` takes the distinct ids the
+    announcement computed (a batch's ids are sorted once a step, not twice); a lookup of other
+    ids, or of the announced tensor changed in place since, computes its own and reads its
+    own rows."""
+    from psworker import embedding
+
+    sorts = []
+    original = embedding._distinct
+    monkeypatch.setattr(embedding, "_distinct", lambda module, ids: sorts.append(ids.numel()) or original(module, ids))
+    batches = _batches(3)
+    with _shards(2) as started:
+        session = psworker.connect(",".join(s.address for s in started), worker_name="w0",
+                                   options=ClientOptions(timeout=WAIT, connect_timeout=WAIT))
+        try:
+            model, optimizer = session.prepare(_Model(), ADAGRAD)
+            ids = batches[1][0].clone()
+
+            def step_announcing(batch) -> None:
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+                model.emb.prefetch(ids, with_step=True)
+                optimizer.step()  # carries the announced read
+
+            step_announcing(batches[0])
+            sorts.clear()
+            announced = model.emb(ids)
+            assert sorts == []  # the announcement's distinct ids, not sorted again
+            fresh = session.client.pull_rows({"emb": ids.unique().numpy()}, wait=False)["emb"]
+            where = torch.searchsorted(ids.unique(), ids.reshape(-1))
+            torch.testing.assert_close(announced.detach().reshape(-1, DIM), torch.from_numpy(fresh)[where],
+                                       rtol=0, atol=0)
+
+            step_announcing(batches[2])
+            ids[0, 0] = ROWS - 1  # changed in place after it was announced
+            sorts.clear()
+            changed = model.emb(ids)
+            assert sorts == [ids.numel()]
+            now = session.client.pull_rows({"emb": ids.unique().numpy()}, wait=False)["emb"]
+            where = torch.searchsorted(ids.unique(), ids.reshape(-1))
+            torch.testing.assert_close(changed.detach().reshape(-1, DIM), torch.from_numpy(now)[where],
+                                       rtol=0, atol=0)
+        finally:
+            session.close()
