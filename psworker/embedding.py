@@ -258,10 +258,8 @@ class TableRows:
             self._prefetched[name] = (torch.from_numpy(ids), done)
 
     def close(self) -> None:
-        """Stop the prefetching thread (the session closes)."""
-        self._prefetched.clear()
-        self._with_step.clear()
-        self._announced.clear()
+        """Forget every read ahead and stop the prefetching thread (the session closes)."""
+        self.forget_reads()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
 

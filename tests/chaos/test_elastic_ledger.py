@@ -299,17 +299,18 @@ def test_shard0_restored_from_a_checkpoint_trains_every_example_once_but_the_lea
     assert result_a["rejoins"] >= 1 and result_c["rejoins"] >= 1, "both rode through the restore"
     assert result_a["data"]["stopped"] is False and result_c["data"]["stopped"] is True
 
-    given = _given_back([old_log, shard.log()])
     # A task can have two second chances: w-b's, given back at its eviction and trained again
     # by w-a or w-c, can be theirs mid-way when the checkpoint is cut, and so go back once more
     # at the restore. Its examples (w-b's part, then the re-leaser's part before the cut) may
     # then count three trainings.
-    evicted = set().union(*_given_back([old_log]).values())
-    restored = set().union(leased, *_given_back([shard.log()]).values())
+    at_eviction, at_restore = _given_back([old_log]), _given_back([shard.log()])
+    evicted = set().union(*at_eviction.values())
+    restored = set().union(leased, *at_restore.values())
     doubles = _check_job(ps, evicted | restored, f"leased in checkpoint {checkpoint_id} or the killed worker held",
                          thrice_allowed=frozenset(_examples(evicted) & _examples(restored)))
-    print(f"restored checkpoint {checkpoint_id} with {len(leased)} task(s) leased; given back by evictions "
-          f"{ {k: sorted(v) for k, v in given.items()} }; {len(doubles)} example(s) trained twice")
+    print(f"restored checkpoint {checkpoint_id} with {len(leased)} task(s) leased; given back at the eviction "
+          f"{ {k: sorted(v) for k, v in at_eviction.items()} }, at the restore "
+          f"{ {k: sorted(v) for k, v in at_restore.items()} }; {len(doubles)} example(s) trained twice")
 
 
 def test_worker_registered_after_the_checkpoint_drops_its_tasks_on_the_restore(tmp_path, shards, workers):
