@@ -121,14 +121,20 @@ class RowTable:
         out = _gather(self.values, index)
         fresh = ~self.written[index]
         if fresh.any():
-            out[fresh] = self._initial(ids[fresh], keep=True)
+            fresh_ids = ids[fresh]
+            # Computed afresh rather than looked up: a read's fresh rows are mostly rows no read
+            # has asked for yet (the rare ids of a skewed stream), where the search of the last
+            # reads cost half as much again as computing them.
+            rows = initial_rows(self.spec, fresh_ids)
+            out[fresh] = rows
+            if fresh_ids.size < 2 or (fresh_ids[1:] > fresh_ids[:-1]).all():  # sorted, as searchsorted needs
+                self._recent.appendleft((fresh_ids, rows))
         self.rows_pulled += ids.size
         return out
 
-    def _initial(self, ids: np.ndarray, *, keep: bool = False) -> np.ndarray:
+    def _initial(self, ids: np.ndarray) -> np.ndarray:
         """``initial_rows`` of ``ids``, taken from the last reads' where they computed them (a
-        worker pulls a batch's rows and then pushes the same rows, the fresh ones computed once);
-        ``keep``: remember these for the pushes to come."""
+        worker pulls a batch's rows and then pushes the same rows, the fresh ones computed once)."""
         out = np.empty((ids.size, self.spec.dim), dtype=np.float32)
         missing = np.ones(ids.size, dtype=bool)
         for known_ids, known in self._recent:
@@ -141,8 +147,6 @@ class RowTable:
             missing[want[hit]] = False
         if missing.any():
             out[missing] = initial_rows(self.spec, ids[missing])
-        if keep and (ids[1:] > ids[:-1]).all():  # sorted, as searchsorted needs (workers send them so)
-            self._recent.appendleft((ids, out.copy()))
         return out
 
     def prepare(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float = 1.0) -> RowUpdate:

@@ -206,11 +206,13 @@ class DlrmModel(nn.Module):
     the (sharded) table, the concatenation through ``Linear -> ReLU -> Linear(64, 1)``: a logit."""
 
     def __init__(self, *, rows: int, dim: int, features: int, dense: int, seed: int,
-                 init_scale: float) -> None:
+                 init_scale: float, init: str = "uniform") -> None:
         super().__init__()
         self.dense_features = dense
         self.bottom = nn.Linear(dense, dim)
-        self.emb = ShardedEmbedding(rows, dim, init_scale=init_scale, seed=seed)
+        # init_scale is the rows' standard deviation either way: U(-a, a) has a / sqrt(3).
+        bound = init_scale * math.sqrt(3.0) if init == "uniform" else init_scale
+        self.emb = ShardedEmbedding(rows, dim, init=init, init_scale=bound, seed=seed)
         self.top = nn.Sequential(nn.Linear(dim * (features + 1), 64), nn.ReLU(), nn.Linear(64, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,13 +257,15 @@ def _float(name: str, value: object, low: float) -> float:
 
 def dlrm_synth(seed: int = 0, rows: str = "1000000", dim: str = "64", features: str = "4", dense: str = "13",
                examples: str = "500000", test_examples: str = "50000", zipf: str = "1.1", batch: str = "256",
-               init_scale: str = "0.01") -> Task:
+               init_scale: str = "0.01", init: str = "uniform") -> Task:
     """The ``dlrm-synth`` task (module docstring). Options arrive as strings (``--task-options
     rows=10000000,dim=32``): ``rows`` of the one table, its ``dim``, the number of categorical
     ``features`` and of ``dense`` ones, ``examples`` and ``test_examples`` (the splits' sizes),
     the ids' ``zipf`` exponent (0: uniform), the default ``batch`` size, and the table's
-    ``init_scale`` (standard deviation of its initial rows). ``seed`` seeds the model only.
-    Raises ``ValueError`` naming a bad option."""
+    ``init_scale`` (standard deviation of its initial rows), drawn by ``init``: ``uniform`` (the
+    default, as DLRM's reference initializes its tables; also a third of ``normal``'s cost for
+    the shard, which computes a row's initial value when a read first meets it) or ``normal``.
+    ``seed`` seeds the model only. Raises ``ValueError`` naming a bad option."""
     n_features = _int("features", features, 1, 1 << 16)
     n_rows = _int("rows", rows, 1, _MAX_ROWS)
     if n_rows < n_features:
@@ -274,12 +278,15 @@ def dlrm_synth(seed: int = 0, rows: str = "1000000", dim: str = "64", features: 
     s = _float("zipf", zipf, 0.0)
     batch_size = _int("batch", batch, 1)
     scale = _float("init_scale", init_scale, 0.0)
+    if str(init).strip() not in ("uniform", "normal"):
+        raise ValueError(f"dlrm-synth: option init={init!r} must be uniform or normal")
 
     data = _Data(rows=n_rows, features=n_features, dense=n_dense, zipf=s)
     x, y, _ = data.split(0, n_train)
     x_test, y_test, teacher_logits = data.split(1, n_test)
     dense_logits = x_test[:, :n_dense] @ data.w
-    model = DlrmModel(rows=n_rows, dim=n_dim, features=n_features, dense=n_dense, seed=seed, init_scale=scale)
+    model = DlrmModel(rows=n_rows, dim=n_dim, features=n_features, dense=n_dense, seed=seed, init_scale=scale,
+                      init=str(init).strip())
     defaults = TaskDefaults(optimizer="adagrad", lr=_LR, batch_size=batch_size,
                             steps=max(1, math.ceil(_EPOCHS * n_train / batch_size)))
     return Task(name="dlrm-synth", model=model, train=(torch.from_numpy(x), torch.from_numpy(y)),

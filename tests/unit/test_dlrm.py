@@ -100,6 +100,7 @@ def test_a_ten_million_row_table_allocates_nothing_of_its_size() -> None:
     ({"examples": ""}, "examples='' is not an integer"),
     ({"colour": "blue"}, "task 'dlrm-synth' has no option 'colour' \\(its options are rows, dim"),
     ({"seed": "1"}, "'seed' is not an option"),
+    ({"init": "zeros"}, "init='zeros' must be uniform or normal"),
 ])
 def test_bad_options_raise_value_error_naming_them(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -153,6 +154,16 @@ def test_teacher_auc_is_in_a_sensible_range() -> None:
     reference = _load(test_examples="20000").reference
     assert 0.75 < reference["teacher_auc"] < 0.95
     assert 0.7 < reference["teacher_dense_auc"] < reference["teacher_auc"] - 0.03  # ids matter
+
+
+@pytest.mark.parametrize("init", ["uniform", "normal"])
+def test_init_scale_is_the_rows_standard_deviation_whichever_the_initializer(init: str) -> None:
+    model = _load(init=init, init_scale="0.05").model
+    assert model.emb.init == init
+    rows = localize(model).emb.weight.detach()
+    assert abs(float(rows.std()) - 0.05) < 0.002
+    if init == "uniform":
+        assert float(rows.abs().max()) <= 0.05 * 3 ** 0.5
 
 
 def test_the_model_needs_its_table_prepared_or_localized() -> None:
