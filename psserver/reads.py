@@ -146,29 +146,37 @@ class Reads:
         generation: int = 0,
         clock: int = -1,
         session: bytes | None = None,
+        checked: list | None = None,
     ) -> tuple[int, int, list[tuple[str, np.ndarray, np.ndarray]]]:
         """Rows of the job's tables: ``(version, clock, [(table, ids, values)])`` for each
         ``(table, ids)`` asked (copies; initial values for rows never written). Waits as
         :meth:`pull` does, and raises as it does, plus ``InvalidArgumentError`` for an unknown
-        table or an id outside the table or on another shard (nothing is read then)."""
+        table or an id outside the table or on another shard (nothing is read then).
+        ``checked``: what :meth:`check_rows` returned for the same ``requests``, whose ids
+        are then not located again (unless the job's tables changed meanwhile)."""
         deadline = self._admit_reader(worker_id, generation, session, clock, timeout)
         with self._changed:
             self._await_bound(worker_id, generation, session, clock, deadline)
-            located = []
-            for name, ids in requests:  # every request is checked before any is read
-                table = self._table(name)
-                located.append((name, table, ids, table.locate(ids, unique=False)))
-            out = [(name, ids, table.read(ids, index)) for name, table, ids, index in located]
+            if checked is None or any(self._tables.get(name) is not table for name, table, _, _ in checked):
+                checked = self._locate_rows(requests)
+            out = [(name, ids, table.read(ids, index)) for name, table, ids, index in checked]
             self._counters.pulls_served += 1
             return self._version, self._current_clock(), out
 
-    def check_rows(self, requests: Sequence[tuple[str, np.ndarray]]) -> None:
+    def check_rows(self, requests: Sequence[tuple[str, np.ndarray]]) -> list:
         """Raise what :meth:`pull_rows` would for ``requests`` (an unknown table, an id outside
         its table or on another shard), reading nothing: a read that rides on a push is checked
-        before the push is applied."""
+        before the push is applied. Returns what ``pull_rows`` takes as ``checked``."""
         with self._lock:
-            for name, ids in requests:
-                self._table(name).locate(ids, unique=False)
+            return self._locate_rows(requests)
+
+    def _locate_rows(self, requests: Sequence[tuple[str, np.ndarray]]) -> list:
+        # Caller holds _lock. Every request is checked before any is read.
+        located = []
+        for name, ids in requests:
+            table = self._table(name)
+            located.append((name, table, ids, table.locate(ids, unique=False)))
+        return located
 
     def _table(self, name: str):
         # Caller holds _lock.

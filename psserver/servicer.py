@@ -218,7 +218,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return self._push(context, request.header, parts, grads, release)
 
     def PushPull(self, request: ps_pb2.PushPullRequest, context: grpc.ServicerContext) -> ps_pb2.PushPullResponse:
-        asked = None
+        asked = checked = None
         header = request.push.header
         # Checked before the push, so that a read this shard would refuse applies nothing.
         try:
@@ -232,13 +232,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     )
             if request.HasField("rows"):
                 asked = self._rows_asked(request.rows)
-                self._store.check_rows(asked)
+                checked = self._store.check_rows(asked)
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
         pushed = self.PushInline(request.push, context)
         reply = ps_pb2.PushPullResponse(push=pushed, pull=self.PullInline(request.pull, context))
         if asked is not None:
-            reply.rows.CopyFrom(self._read_rows(request.rows, asked, context))
+            reply.rows.CopyFrom(self._read_rows(request.rows, asked, context, checked))
         if request.HasField("data"):
             # The queue's answer, or its refusal: the push is applied either way, so a refusal
             # fails only the exchange (a retried call's reports meet the queue's precondition).
@@ -461,14 +461,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return asked
 
     def _read_rows(self, request: ps_pb2.PullRowsRequest, asked: list[tuple[str, np.ndarray]],
-                   context: grpc.ServicerContext) -> ps_pb2.PullRowsResponse:
-        """The rows ``asked`` (:meth:`_rows_asked`), read as ``request`` says; aborts ``context``
-        on a refusal."""
+                   context: grpc.ServicerContext, checked: list | None = None) -> ps_pb2.PullRowsResponse:
+        """The rows ``asked`` (:meth:`_rows_asked`), read as ``request`` says (``checked``: the
+        store's ``check_rows`` of them); aborts ``context`` on a refusal."""
         try:
             version, clock, rows = self._store.pull_rows(
                 asked, timeout=time_left(context, margin=0.05), worker_id=request.worker_id,
                 generation=request.generation, clock=request.clock,
-                session=request.session if request.worker_id else None,
+                session=request.session if request.worker_id else None, checked=checked,
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)

@@ -155,3 +155,18 @@ def test_initial_values_are_the_documented_stream_bit_for_bit():
     assert splitmix64(np.asarray(5, dtype=np.uint64))[()] == 7134611160154358618
     assert splitmix64(counters)[5] == 7134611160154358618
     assert np.array_equal(counters, np.arange(1000, dtype=np.uint64))  # the input is not written
+
+
+def test_a_read_checked_before_a_push_reads_what_it_would_have_read_unchecked():
+    """A push-and-pull checks its read before the push (``check_rows``) and hands the checked ids
+    to the read after it, which then reads exactly what a read of its own would."""
+    store, w = _job("a")
+    asked = [("emb", np.array([2, 5, 8], dtype=np.int64))]
+    checked = store.check_rows(asked)
+    _push(store, w["a"], 1, [("emb", np.array([5]), np.ones((1, 3), dtype=np.float32))])
+    _, _, [(_, ids, values)] = store.pull_rows(asked, timeout=5, checked=checked)
+    np.testing.assert_array_equal(ids, [2, 5, 8])
+    np.testing.assert_array_equal(values, _rows(store, [2, 5, 8]))
+    assert not np.array_equal(values[1], initial_rows(TABLE, np.array([5]))[0])  # the push's row, updated
+    with pytest.raises(InvalidArgumentError, match="outside the table"):
+        store.check_rows([("emb", np.array([100], dtype=np.int64))])
