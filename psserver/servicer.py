@@ -238,7 +238,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         pushed = self.PushInline(request.push, context)
         reply = ps_pb2.PushPullResponse(push=pushed, pull=self.PullInline(request.pull, context))
         if asked is not None:
-            reply.rows.CopyFrom(self._read_rows(request.rows, asked, context, checked))
+            self._read_rows(request.rows, asked, context, checked, into=reply.rows)
         if request.HasField("data"):
             # The queue's answer, or its refusal: the push is applied either way, so a refusal
             # fails only the exchange (a retried call's reports meet the queue's precondition).
@@ -461,9 +461,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return asked
 
     def _read_rows(self, request: ps_pb2.PullRowsRequest, asked: list[tuple[str, np.ndarray]],
-                   context: grpc.ServicerContext, checked: list | None = None) -> ps_pb2.PullRowsResponse:
+                   context: grpc.ServicerContext, checked: list | None = None,
+                   into: ps_pb2.PullRowsResponse | None = None) -> ps_pb2.PullRowsResponse:
         """The rows ``asked`` (:meth:`_rows_asked`), read as ``request`` says (``checked``: the
-        store's ``check_rows`` of them); aborts ``context`` on a refusal."""
+        store's ``check_rows`` of them), written into ``into`` (a reply's part: the rows are not
+        copied again) or a new response; aborts ``context`` on a refusal."""
         try:
             version, clock, rows = self._store.pull_rows(
                 asked, timeout=time_left(context, margin=0.05), worker_id=request.worker_id,
@@ -472,8 +474,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             )
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
-        reply = ps_pb2.PullRowsResponse(version=version, clock=clock,
-                                        rows=[rows_to_proto(name, ids, values) for name, ids, values in rows])
+        reply = ps_pb2.PullRowsResponse() if into is None else into
+        reply.version, reply.clock = version, clock
+        for name, ids, values in rows:
+            rows_to_proto(name, ids, values, add_to=reply.rows)
         self.traffic.pulled(transport(context), sum(len(b.values) for b in reply.rows))
         return reply
 
