@@ -127,7 +127,7 @@ class RowTable:
             # reads cost half as much again as computing them.
             rows = initial_rows(self.spec, fresh_ids)
             out[fresh] = rows
-            if fresh_ids.size < 2 or (fresh_ids[1:] > fresh_ids[:-1]).all():  # sorted, as searchsorted needs
+            if (fresh_ids[1:] > fresh_ids[:-1]).all():  # sorted, as searchsorted needs (workers send them so)
                 self._recent.appendleft((fresh_ids, rows))
         self.rows_pulled += ids.size
         return out

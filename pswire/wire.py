@@ -106,7 +106,7 @@ def rows_to_proto(table: str, ids: np.ndarray, values: np.ndarray | None = None,
     """A ``RowBlock`` of int64 ``ids`` and, for a push or a reply, their float32 ``values``;
     made in place as the next block of ``add_to`` (a repeated ``RowBlock`` field) when given,
     rather than made apart and copied in."""
-    block = (ps_pb2.RowBlock() if add_to is None else add_to.add())
+    block = ps_pb2.RowBlock() if add_to is None else add_to.add()
     block.table, block.ids = table, np.ascontiguousarray(ids, dtype="<i8").tobytes()
     if values is not None:
         block.values = np.ascontiguousarray(values, dtype="<f4").tobytes()

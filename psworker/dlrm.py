@@ -278,7 +278,8 @@ def dlrm_synth(seed: int = 0, rows: str = "1000000", dim: str = "64", features: 
     s = _float("zipf", zipf, 0.0)
     batch_size = _int("batch", batch, 1)
     scale = _float("init_scale", init_scale, 0.0)
-    if str(init).strip() not in ("uniform", "normal"):
+    drawn = str(init).strip()
+    if drawn not in ("uniform", "normal"):
         raise ValueError(f"dlrm-synth: option init={init!r} must be uniform or normal")
 
     data = _Data(rows=n_rows, features=n_features, dense=n_dense, zipf=s)
@@ -286,7 +287,7 @@ def dlrm_synth(seed: int = 0, rows: str = "1000000", dim: str = "64", features: 
     x_test, y_test, teacher_logits = data.split(1, n_test)
     dense_logits = x_test[:, :n_dense] @ data.w
     model = DlrmModel(rows=n_rows, dim=n_dim, features=n_features, dense=n_dense, seed=seed, init_scale=scale,
-                      init=str(init).strip())
+                      init=drawn)
     defaults = TaskDefaults(optimizer="adagrad", lr=_LR, batch_size=batch_size,
                             steps=max(1, math.ceil(_EPOCHS * n_train / batch_size)))
     return Task(name="dlrm-synth", model=model, train=(torch.from_numpy(x), torch.from_numpy(y)),
