@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import pytest
 
@@ -23,6 +24,7 @@ from tests.ray.conftest import readme_block
 from tests.ray.netcluster import NetCluster
 
 pytestmark = pytest.mark.timeout(240)
+T = TypeVar("T")
 
 TASK = "mnist1d-cnn"
 TOTAL = 600_000
@@ -33,6 +35,7 @@ RESOURCES = ["--shard-resources", '{"ps_shard": 1}', "--worker-resources", '{"ps
 """As the README's job asks for them (the Python API test passes them itself)."""
 _SERVES = re.compile(r"shard(\d+) serves on ([\d.]+):(\d+) \(Ray actor pid (\d+)")
 _RUNS_ON = re.compile(r"(worker-\d+) runs on ([\d.]+) \(Ray actor pid (\d+)")
+_WRITTEN = re.compile(r"checkpoint (\d+) written .* \(version (\d+)(, complete)?\)")
 
 
 @dataclass
@@ -47,14 +50,18 @@ class Job:
         return self.err.read_text(errors="replace")
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        return self.wait_until(lambda log: re.search(pattern, log), repr(pattern), timeout)
+
+    def wait_until(self, found: Callable[[str], T | None], what: str, timeout: float) -> T:
+        """``found(log)``'s first true answer, polling the driver's log until ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if match := re.search(pattern, self.log()):
-                return match
+            if answer := found(self.log()):
+                return answer
             if self.popen.poll() is not None:
                 break
-            time.sleep(0.2)
-        raise AssertionError(f"no {pattern!r} in the driver's log within {timeout:.0f}s "
+            time.sleep(0.1)
+        raise AssertionError(f"no {what} in the driver's log within {timeout:.0f}s "
                              f"(exit status {self.popen.poll()}):\n{self.log()[-6000:]}")
 
     def summary(self, timeout: float) -> dict:
@@ -103,6 +110,17 @@ def pscluster(cluster: NetCluster, tmp_path: Path, *flags: str, name: str = "job
     argv = readme_line(".venv/bin/pscluster --ray A:6379 --task", cluster, tmp_path / f"{name}-run")
     assert "--task" in argv and TASK in argv
     return start_job(cluster, tmp_path, [*argv, *flags], name)
+
+
+def early_complete_checkpoint(log: str, updates: int) -> int | None:
+    """The first checkpoint id the log shows complete with a shard at >= ``updates`` versions."""
+    versions: dict[int, int] = {}
+    complete: set[int] = set()
+    for m in _WRITTEN.finditer(log):
+        versions[int(m[1])] = max(versions.get(int(m[1]), 0), int(m[2]))
+        if m[3]:
+            complete.add(int(m[1]))
+    return next((i for i in sorted(complete) if versions[i] >= updates), None)
 
 
 def assert_all_data(summary: dict) -> None:
@@ -302,10 +320,12 @@ def test_a_job_whose_driver_died_goes_on_from_its_run_directory(ray_cluster, tmp
     command started again restores the shards, with the data queue, from the run directory."""
     first = pscluster(ray_cluster, tmp_path, "--checkpoint-every", "2s", name="first")
     try:
-        # A complete checkpoint written after a worker logged its first steps (a few hundred, some
-        # tasks done): one written at the job's start holds an untouched queue (CI, 2026-11-27).
-        first.wait_for(r"worker-\d+ step \d+ loss", timeout=120)
-        first.wait_for(r"worker-\d+ step \d+ loss(?s:.*)checkpoint \d+ written .*complete\)", timeout=60)
+        # Killed at the first complete checkpoint holding a few hundred updates (of the job's
+        # ~6,000): one written at the job's start holds an untouched queue (CI, 2026-11-27), and
+        # waiting for a worker's first step log (5 s in, ~80% of the data done) let the first
+        # driver finish the queue before its next checkpoint (CI, 2026-11-29).
+        early = first.wait_until(lambda log: early_complete_checkpoint(log, updates=300),
+                                 "a complete checkpoint of >= 300 updates", timeout=120)
     finally:
         first.popen.kill()  # SIGKILL: no clean-up of its own
         first.popen.wait(timeout=30)
@@ -314,6 +334,7 @@ def test_a_job_whose_driver_died_goes_on_from_its_run_directory(ray_cluster, tmp
     summary = again.summary(timeout=200)
     restored = re.findall(r"\[shard(\d)\].*restored checkpoint (\d+)", again.log())
     assert {i for i, _ in restored} == {"0", "1"} and len({n for _, n in restored}) == 1, restored
+    assert int(restored[0][1]) >= early, (restored, early)
     assert_all_data(summary)
     # The second driver's workers trained only what the checkpoint had not: the rest was done before.
     assert 0 < sum(summary["data"]["worker_examples"]) < TOTAL, summary["data"]
