@@ -19,7 +19,7 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from psserver import numerics, optimizers
@@ -106,18 +106,46 @@ def _torch_optimizer(config: OptimizerConfig, params: list[torch.Tensor]) -> tor
     )
 
 
-def _compare_with_torch(config, dtype=FLOAT32, steps=STEPS, shape=SHAPE, seed=0):
-    param0, grads = _data(shape, dtype, steps, seed)
-    grads_before = [g.copy() for g in grads]
-
+def _torch_steps(config, param0: np.ndarray, grads: list[np.ndarray]) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    """torch.optim's parameter after ``grads``, and its optimizer."""
     reference = _to_torch(param0).requires_grad_(True)
     opt = _torch_optimizer(config, [reference])
+    for grad in grads:
+        reference.grad = _to_torch(grad)
+        opt.step()
+    return reference, opt
+
+
+def _one_ulp_apart(a: np.ndarray) -> np.ndarray:
+    """``a`` with every element moved one unit in the last place, up and down in turn."""
+    toward = np.where(np.arange(a.size).reshape(a.shape) % 2 == 0, np.inf, -np.inf).astype(a.dtype)
+    return np.nextafter(a, toward)
+
+
+def _well_conditioned(config, dtype: DType, param0: np.ndarray, grads: list[np.ndarray]) -> bool:
+    """Whether torch.optim's own result stays within TOLERANCE when every input moves by one ulp.
+
+    Where it does not, the example amplifies rounding past any ulp-sized tolerance, and which of
+    two correct orders of rounding is nearer torch's says nothing of the formula. Hypothesis found
+    one: Adam, lr 1, beta2 0, weight decay 0.098, whose second effective gradient (-0.1232 +
+    0.098 x 1.267) cancelled to 0.0005 and was then divided by its own magnitude, so that a
+    parameter of 608 differed from torch's by 20 of its ulps (2026-11-29)."""
+    reference, _ = _torch_steps(config, param0, grads)
+    moved, _ = _torch_steps(config, _one_ulp_apart(param0), [_one_ulp_apart(g) for g in grads])
+    return np.allclose(moved.detach().double().numpy(), reference.detach().double().numpy(), **TOLERANCE[dtype])
+
+
+def _compare_with_torch(config, dtype=FLOAT32, steps=STEPS, shape=SHAPE, seed=0, *, well_conditioned_only=False):
+    param0, grads = _data(shape, dtype, steps, seed)
+    if well_conditioned_only:
+        assume(_well_conditioned(config, dtype, param0, grads))
+    grads_before = [g.copy() for g in grads]
+
+    reference, opt = _torch_steps(config, param0, grads)
     rule = create_update_rule(config)
     param = param0.copy()
     state = rule.init_state(param)
     for grad in grads:
-        reference.grad = _to_torch(grad)
-        opt.step()
         rule.apply(param, grad, state)
 
     _assert_matches(param, reference, dtype, "param")
@@ -330,7 +358,7 @@ def test_module_imports_no_grpc_or_torch_and_exports_what_it_lists(module):
     dtype=st.sampled_from([FLOAT32, FLOAT64]),
 )
 def test_property_sgd_and_adam_match_torch(config, steps, rows, seed, dtype):
-    _compare_with_torch(config, dtype, steps=steps, shape=(rows, 3), seed=seed)
+    _compare_with_torch(config, dtype, steps=steps, shape=(rows, 3), seed=seed, well_conditioned_only=True)
 
 
 @pytest.mark.parametrize("dtype", _ALL_FLOATS)
