@@ -64,7 +64,8 @@ def _owners(method: str, request) -> list[tuple[int, int, int | None]]:
     """``(worker_id, generation, the lane of the bulk transfer it names, or None)`` of each part
     of a lane call's request."""
     if method == "PushPull":
-        return [*_owners("PushInline", request.push), *_owners("PullInline", request.pull),
+        return [*_owners("PushInline", request.push),
+                *(_owners("PullInline", request.pull) if request.HasField("pull") else ()),
                 *(_owners("PullRows", request.rows) if request.HasField("rows") else ())]
     if method == "PushInline":
         return [(request.header.worker_id, request.header.generation,

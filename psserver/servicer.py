@@ -236,7 +236,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except (errors.PSError, ValueError) as exc:
             _abort(context, exc)
         pushed = self.PushInline(request.push, context)
-        reply = ps_pb2.PushPullResponse(push=pushed, pull=self.PullInline(request.pull, context))
+        # No pull: a shard holding only table rows, whose rows read says the version and clock.
+        pulled = self.PullInline(request.pull, context) if request.HasField("pull") else None
+        reply = ps_pb2.PushPullResponse(push=pushed, pull=pulled)
         if asked is not None:
             self._read_rows(request.rows, asked, context, checked, into=reply.rows)
         if request.HasField("data"):

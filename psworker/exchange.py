@@ -286,10 +286,15 @@ class Exchange:
 
         def prepare(session: _ShardSession) -> tuple:
             message = self._push_message(session, grads, data, bases.get(id(session)), blocks[id(session)])
-            request, dest, nbytes = self._pull_request(
-                session, destinations, skip_unchanged=True, may_wait=may_wait,
-                clock=session.clock + (message is not None),
-            )
+            if message is not None and not session.parts and reads and id(session) in reads:
+                # A shard holding only table rows: the rows read with the step gives its version
+                # and clock, and a pull of no variables would cost the call a second read.
+                request, dest, nbytes = None, None, 0
+            else:
+                request, dest, nbytes = self._pull_request(
+                    session, destinations, skip_unchanged=True, may_wait=may_wait,
+                    clock=session.clock + (message is not None),
+                )
             # A data exchange waiting for a step rides on this one's call to shard 0.
             rider = self._take_rider(session) if message is not None else None
             if rider is not None:
@@ -313,7 +318,7 @@ class Exchange:
                     if rows_reply is None:
                         raise errors.PSError(f"shard {address} answered a push-and-pull without the table rows it "
                                              "asked for (a shard older than this worker?)")
-                    write_rows(address, rows_reply, read, plan, row_outs)
+                    write_rows(address, rows_reply, read, row_outs)
             else:
                 header, written = retrying(
                     lambda: session.client.pull(request, dest, nbytes, may_wait=may_wait), self.options, address, "pull"
@@ -321,8 +326,11 @@ class Exchange:
                 if read:  # nothing to push here after all: the rows alone
                     rows_reply = retrying(lambda: session.client.pull_rows(read.request, read.nbytes, may_wait=False),
                                           self.options, address, "pull rows")
-                    write_rows(address, rows_reply, read, plan, row_outs)
-            self._pulled(session, header, written, destinations)
+                    write_rows(address, rows_reply, read, row_outs)
+            if header is not None:
+                self._pulled(session, header, written, destinations)
+            else:  # no pull (see prepare): the rows read after the push says where the shard is
+                session.version, session.base_clock = rows_reply.version, rows_reply.clock
             if timings is not None:
                 pushed = sum(len(b) for b in message[1]) if message is not None else 0
                 timings.append(_phases(time.monotonic() - started, pushed, nbytes, may_wait))
@@ -419,7 +427,7 @@ class Exchange:
             client = sessions[shard].client
             attempt = _sent_first(pending, client.finish_pull_rows,
                                   lambda: client.pull_rows(call.request, call.nbytes, may_wait=may_wait))
-            write_rows(client.address, retrying(attempt, self.options, client.address, "pull rows"), call, plan, out)
+            write_rows(client.address, retrying(attempt, self.options, client.address, "pull rows"), call, out)
 
         planned = [rows_calls(plan, k, identity=None if as_reader else _identity(session),
                               clock=session.clock if may_wait else -1, limit=ROWS_PER_CALL)

@@ -99,17 +99,16 @@ def rows_calls(plan: list[PlannedTable], shard: int, *, identity: Identity | Non
     return out
 
 
-def write_rows(address: str, reply: ps_pb2.PullRowsResponse, call: RowsCall, plan: list[PlannedTable],
+def write_rows(address: str, reply: ps_pb2.PullRowsResponse, call: RowsCall,
                out: Mapping[str, np.ndarray]) -> None:
     """Write a rows reply's values into ``out`` (table -> values of the plan's ids), once it is
     checked to answer ``call``; raises ``InvalidArgumentError`` for a reply that does not."""
     if len(reply.rows) != len(call.blocks):
         raise errors.InvalidArgumentError(f"shard {address} answered {len(reply.rows)} tables' rows "
                                           f"for {len(call.blocks)}")
-    asked = {planned.table: planned.ids for planned in plan}
-    for (table, spec, piece), block in zip(call.blocks, reply.rows):
-        got_ids, values = rows_from_proto(block, spec.dim)
-        if block.table != table or not np.array_equal(got_ids, asked[table][piece]):
+    for (table, spec, piece), block, sent in zip(call.blocks, reply.rows, call.request.rows):
+        _, values = rows_from_proto(block, spec.dim)
+        if block.table != table or block.ids != sent.ids:  # the ids' bytes as asked, in order
             raise errors.InvalidArgumentError(f"shard {address} answered other rows of "
                                               f"table {table!r} than asked for")
         out[table][piece] = values

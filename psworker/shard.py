@@ -239,8 +239,8 @@ class ShardClient(ShardChannel):
         return _RESPONSES[method].FromString(body)
 
     def start_push_pull(
-        self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest, nbytes: int,
-        rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0, data: "DataRider | None" = None,
+        self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest | None,
+        nbytes: int, rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0, data: "DataRider | None" = None,
     ) -> "_Pending | None":
         """Send a push and the pull after it (not waiting on a bound) as one call whole on a
         lane, and return at once: ``finish_push_pull`` reads the reply, so that a worker's calls
@@ -257,13 +257,13 @@ class ShardClient(ShardChannel):
                            self._pull_deadline(nbytes + pushed + rows_bytes, False))
 
     def finish_push_pull(
-        self, pending: "_Pending", destinations: Mapping[str, torch.Tensor], data: "DataRider | None" = None,
-    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int], ps_pb2.PullRowsResponse | None]:
+        self, pending: "_Pending", destinations: Mapping[str, torch.Tensor] | None, data: "DataRider | None" = None,
+    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader | None, dict[str, int], ps_pb2.PullRowsResponse | None]:
         """:meth:`push_pull`'s result for a call :meth:`start_push_pull` sent (``data``: the
         exchange it carried, answered here); raises as it."""
         reply = self._finish(pending)
         _settle(data, reply, self.address)
-        return (reply.push, *self._write_inline(reply.pull, destinations), _rows_of(reply))
+        return (reply.push, *self._pulled_inline(reply, destinations), _rows_of(reply))
 
     def _on_lane(self, lane: Lane, method: str, request, timeout: float, stage=None, receive=None):
         """One call whose bytes travel on ``lane``: ``stage`` (token, views) is sent before the
@@ -418,24 +418,26 @@ class ShardClient(ShardChannel):
             raise translate(exc, self.address) from exc
 
     def push_pull(
-        self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest,
-        destinations: Mapping[str, torch.Tensor], nbytes: int, *, may_wait: bool = False,
+        self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest | None,
+        destinations: Mapping[str, torch.Tensor] | None, nbytes: int, *, may_wait: bool = False,
         rows: ps_pb2.PullRowsRequest | None = None, rows_bytes: int = 0, data: "DataRider | None" = None,
-    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader, dict[str, int], ps_pb2.PullRowsResponse | None]:
+    ) -> tuple[ps_pb2.PushResponse, ps_pb2.PullHeader | None, dict[str, int], ps_pb2.PullRowsResponse | None]:
         """A push and the pull after it in one call: each side inline when within
         ``inline_bytes``, else on a bulk lane. Without a lane for a larger side: a push, then a
         pull (a retry repeats the push's sequence number either way, so it applies once).
         ``rows``: a read of table rows (``rows_bytes`` of values) once the push is applied, in
         the same call; its reply is the last of the four results (None without ``rows``).
         ``data``: a data exchange to make in the same call (shard 0), answered through it when
-        the reply comes (the push-then-pull fallback carries none and leaves it unanswered)."""
+        the reply comes (the push-then-pull fallback carries none and leaves it unanswered).
+        ``request`` None (``destinations`` None too): no pull, the second result None; for a
+        shard holding only table rows, whose ``rows`` reply says its version and clock."""
         pushed = sum(len(b) for b in buffers)
         limit = self.options.inline_bytes
         large = pushed > limit or nbytes > limit
         lane = self.lanes.take() if large else None
         if lane is None and large:
             pushed_reply = self.push(header, buffers)
-            pulled = self.pull(request, destinations, nbytes, may_wait=may_wait)
+            pulled = self.pull(request, destinations, nbytes, may_wait=may_wait) if request is not None else (None, {})
             return (pushed_reply, *pulled,
                     self.pull_rows(rows, rows_bytes, may_wait=False) if rows is not None else None)
         timeout = self._pull_deadline(nbytes + pushed + rows_bytes, may_wait)
@@ -455,10 +457,10 @@ class ShardClient(ShardChannel):
         if lane is None:
             reply = self._small("PushPull", call, timeout)
             _settle(data, reply, self.address)
-            return (reply.push, *self._write_inline(reply.pull, destinations), _rows_of(reply))
+            return (reply.push, *self._pulled_inline(reply, destinations), _rows_of(reply))
         reply, received = self._on_lane(lane, "PushPull", call, timeout, stage, receive)
         _settle(data, reply, self.address)
-        return (reply.push, *(received or self._write_inline(reply.pull, destinations)), _rows_of(reply))
+        return (reply.push, *(received or self._pulled_inline(reply, destinations)), _rows_of(reply))
 
     def _pull_deadline(self, nbytes: int, may_wait: bool) -> float:
         return self.options.deadline(nbytes) + (self.options.wait_timeout if may_wait else 0.0)
@@ -495,6 +497,17 @@ class ShardClient(ShardChannel):
             target = destinations[key]
             if buffer is not target and buffer.data_ptr() != target.data_ptr():
                 target.copy_(buffer)
+
+    def _pulled_inline(
+        self, reply: ps_pb2.PushPullResponse, destinations: Mapping[str, torch.Tensor] | None
+    ) -> tuple[ps_pb2.PullHeader | None, dict[str, int]]:
+        """A push-and-pull's pull written into ``destinations``; ``(None, {})`` for a call that
+        asked for none (``destinations`` None)."""
+        if destinations is None:
+            if reply.HasField("pull"):
+                raise errors.PSError(f"shard {self.address} answered a push-and-pull with a pull it was not asked for")
+            return None, {}
+        return self._write_inline(reply.pull, destinations)
 
     def _write_inline(
         self, reply: ps_pb2.InlinePull, destinations: Mapping[str, torch.Tensor]

@@ -257,3 +257,56 @@ def test_a_lookup_of_the_announced_ids_sorts_them_once_and_ids_changed_since_are
                                        rtol=0, atol=0)
         finally:
             session.close()
+
+
+@pytest.mark.parametrize("lane_calls", [True, False], ids=["lane-calls", "grpc"])
+def test_a_shard_holding_only_rows_gets_no_pull_and_its_rows_say_its_version(monkeypatch, lane_calls):
+    """The model ("w") lives whole on shard 0; shard 1 holds only rows. Its step call carries no
+    pull (it would read no variable), and the rows read after the push give the version and
+    clock the next push is measured from."""
+    sent: list[tuple[str, bool]] = []
+    for name in ("start_push_pull", "push_pull"):
+        original = getattr(ShardClient, name)
+
+        def spied(self, header, buffers, request, *args, _original=original, **kwargs):
+            sent.append((self.address, request is not None))
+            return _original(self, header, buffers, request, *args, **kwargs)
+
+        monkeypatch.setattr(ShardClient, name, spied)
+    with _shards(2) as started:
+        with _registered(started, lane_calls=lane_calls) as client:
+            rows_only = client._require_sessions()[1]
+            assert not rows_only.parts
+            ids = np.array([1, 2, 3, 6, 9], dtype=np.int64)  # rows on both shards
+            for step in range(3):
+                out = np.empty((ids.size, DIM), dtype=np.float32)
+                grads = np.full((ids.size, DIM), 0.5, dtype=np.float32)
+                replies = client.push_pull({"w": torch.ones(4)}, {"w": torch.zeros(4)}, rows={"emb": (ids, grads)},
+                                           read_rows={"emb": (ids, out)})
+                # Each push was computed from the shard's state after the last one: no staleness.
+                assert [r.staleness for r in replies] == [0, 0]
+                status = client.status()[1]
+                assert (rows_only.version, rows_only.base_clock) == (status.version, step + 1) == (replies[1].version,
+                                                                                                    step + 1)
+                np.testing.assert_array_equal(out, client.pull_rows({"emb": ids}, wait=False)["emb"])
+    # Every step read rows with its calls: shard 1 never got a pull, shard 0 got one each step.
+    assert {address for address, pulled in sent if pulled} == {started[0].address}
+    assert sum(not pulled for _, pulled in sent) == 3
+
+
+@pytest.mark.parametrize("lane_calls", [True, False], ids=["lane-calls", "grpc"])
+def test_a_push_and_pull_without_a_pull_is_answered_without_one(lane_calls):
+    with _shards(1) as started:
+        with _registered(started, lane_calls=lane_calls) as client:
+            (session,) = client._require_sessions()
+            message = client._push_message(session, {"w": torch.ones(4)}, None)
+            rows = ps_pb2.PullRowsRequest(clock=-1, worker_id=session.worker_id, generation=session.generation,
+                                          session=session.secret, rows=[rows_to_proto("emb", np.array([0, 5]))])
+            reply, header, written, rows_reply = session.client.push_pull(*message, None, None, 0, rows=rows,
+                                                                          rows_bytes=2 * DIM * 4)
+            assert (reply.version, header, written) == (1, None, {})
+            assert (rows_reply.version, [b.table for b in rows_reply.rows]) == (1, ["emb"])
+            # The shard applied the push: its variable moved (SGD, lr 0.5, gradient 1).
+            values = torch.zeros(4)
+            client.pull({"w": values}, skip_unchanged=False, wait=False)
+            assert values.tolist() == [-0.5] * 4

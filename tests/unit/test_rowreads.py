@@ -55,7 +55,7 @@ def test_every_id_is_read_once_from_its_owner_in_calls_within_the_limit(requests
             for block in call.request.rows:
                 ids, _ = rows_from_proto(block, None)
                 assert ids.size and (owner(ids, shards) == shard).all()
-            write_rows(f"shard{shard}", _answer(call.request), call, plan, out)
+            write_rows(f"shard{shard}", _answer(call.request), call, out)
     for table, ids in requests.items():
         np.testing.assert_array_equal(out[table], np.repeat(ids.astype(np.float32)[:, None], TABLES[table].dim, axis=1))
 
@@ -83,7 +83,7 @@ def test_a_reply_that_answers_something_else_is_refused_and_writes_nothing(tampe
     tamper(reply)
     out = {"a": np.zeros((3, 4), dtype=np.float32)}
     with pytest.raises(errors.InvalidArgumentError, match=match):
-        write_rows("shard0", reply, call, plan, out)
+        write_rows("shard0", reply, call, out)
     assert not out["a"].any()
 
 
