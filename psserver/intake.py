@@ -181,7 +181,32 @@ class PushIntake:
             chunks = (frames.Chunk(index, 0, blob) for index, blob in enumerate(data))
             return self._assemble(header, chunks, initialize=False, context=context)
         parts, _ = self._expect(header, initialize=False)
-        blobs = list(data)
+        grads, release = self._views(parts, list(data), context)
+        return parts, grads, release
+
+    def flat(self, parts: Sequence[Part], dense: memoryview, rows_bytes: int,
+             context: grpc.ServicerContext | None) -> tuple[list[np.ndarray], Callable[[], None]]:
+        """A ``Step`` push's gradients (``pswire.step``): every part of ``parts`` end to end in
+        ``dense``, as :meth:`inline` takes them; ``rows_bytes``: the bytes of the rows it pushes,
+        which count towards the shard's limit on a request too."""
+        expected = sum(p.nbytes for p in parts)
+        if len(dense) != expected:
+            raise errors.InvalidArgumentError(
+                f"a Step's dense gradient is {len(dense)} bytes, this shard's variables take {expected} "
+                f"({', '.join(p.describe() for p in parts)})"
+            )
+        if expected + rows_bytes > self._max_request_bytes:
+            raise errors.TooLargeError(f"request carries {expected + rows_bytes} bytes, above this shard's limit "
+                                       f"of {self._max_request_bytes}")
+        blobs, at = [], 0
+        for part in parts:
+            blobs.append(dense[at:at + part.nbytes])
+            at += part.nbytes
+        return self._views(parts, blobs, context)
+
+    def _views(self, parts: Sequence[Part], blobs: list, context: grpc.ServicerContext | None,
+               ) -> tuple[list[np.ndarray], Callable[[], None]]:
+        """Gradients as views of ``blobs`` (one per part, its length checked), budgeted at once."""
         for part, blob in zip(parts, blobs):
             if len(blob) != part.nbytes:
                 raise errors.InvalidArgumentError(
@@ -199,7 +224,7 @@ class PushIntake:
             grad = np.frombuffer(blob, dtype=part.dtype.numpy).reshape(part.shape)
             grads.append(grad if grad.flags.aligned else grad.copy())
         self._traffic.pushed(transport(context), total)
-        return parts, grads, transfer.close
+        return grads, transfer.close
 
     def _take_budget(self, transfer: Transfer, nbytes: int, deadline: float) -> None:
         if not transfer.acquire(nbytes, max(0.0, deadline - time.monotonic())):

@@ -12,9 +12,11 @@ is sent on it before the reply).
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import grpc
 
+from pswire import step
 from pswire.lanes import LANE_METHODS, RETRYABLE_FLAG
 from pswire.v1 import ps_pb2
 from psserver.guard import Undecodable, tolerant
@@ -60,9 +62,24 @@ class LaneContext:
         return ()
 
 
+class StepCall(NamedTuple):
+    """A ``Step`` request as a lane carried it (``pswire.step``): its body, decoded by the handler,
+    and the registration its head names."""
+
+    body: memoryview
+    worker_id: int
+    generation: int
+
+    @classmethod
+    def of(cls, body: memoryview) -> "StepCall":
+        return cls(body, *step.owner_of(body))
+
+
 def _owners(method: str, request) -> list[tuple[int, int, int | None]]:
     """``(worker_id, generation, the lane of the bulk transfer it names, or None)`` of each part
     of a lane call's request."""
+    if method == "Step":
+        return [(request.worker_id, request.generation, None)]
     if method == "PushPull":
         return [*_owners("PushInline", request.push),
                 *(_owners("PullInline", request.pull) if request.HasField("pull") else ()),
@@ -84,12 +101,15 @@ def lane_calls(servicer, timer=None) -> LaneCalls:
         handler = servicer.guard.unary(name, getattr(servicer, name))
         if timer is not None:
             handler = timer.timed_unary(name, handler)
-        handlers[name] = (tolerant(getattr(ps_pb2, methods[name].input_type.name).FromString), handler)
+        # A Step's body is decoded by its handler, as views of the lane's buffer (no copy).
+        decode = StepCall.of if name == "Step" else _copied(getattr(ps_pb2, methods[name].input_type.name).FromString)
+        handlers[name] = (tolerant(decode), handler)
 
-    def call(method: str, body: memoryview, owner: tuple[int, int], lane_id: int, timeout: float) -> tuple[int, bytes]:
+    def call(method: str, body: memoryview, owner: tuple[int, int], lane_id: int, timeout: float,
+             ) -> tuple[int, bytes | list]:
         decode, handler = handlers[method]
         context = LaneContext(timeout)
-        request = decode(bytes(body))
+        request = decode(body)
         try:
             if not isinstance(request, Undecodable):
                 for worker_id, generation, bulk in _owners(method, request):
@@ -106,6 +126,11 @@ def lane_calls(servicer, timer=None) -> LaneCalls:
             code = context.code()
             assert code is not None
             return code.value[0] | (RETRYABLE_FLAG if context.retryable else 0), context.details.encode("utf-8", "replace")
-        return 0, reply.SerializeToString()
+        return 0, reply if isinstance(reply, list) else reply.SerializeToString()
 
     return call
+
+
+def _copied(decode):
+    """``decode`` of a copy of the body (protobuf parses ``bytes``)."""
+    return lambda body: decode(bytes(body))

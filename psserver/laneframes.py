@@ -50,10 +50,11 @@ if TYPE_CHECKING:
 
 __all__ = ["LaneCalls", "LaneFrames"]
 
-LaneCalls = Callable[[str, memoryview, "tuple[int, int]", int, float], "tuple[int, bytes]"]
+LaneCalls = Callable[[str, memoryview, "tuple[int, int]", int, float], "tuple[int, bytes | list[memoryview]]"]
 """``(method, serialized request, (worker_id, generation) of the lane, the lane's id, timeout)
 -> (status, body)``: runs one call a lane carried (``pswire.lanes.CALL``) and gives its
-``REPLY``; a pull the call sends on the lane goes first (``deliver``, from the lane's thread)."""
+``REPLY`` (the body whole, or in byte views sent end to end); a pull the call sends on the lane
+goes first (``deliver``, from the lane's thread)."""
 _TIMEOUT = struct.Struct("<I")
 PIECE_BYTES = 4 << 20
 """A push's bytes are budgeted and deadlined in pieces of this size."""
@@ -224,9 +225,10 @@ class LaneFrames:
             wire.LANE_METHODS[method], memoryview(body)[_TIMEOUT.size:], lane.owner, lane.lane_id, timeout_ms / 1000.0
         )
         del body
+        views = reply if isinstance(reply, list) else [memoryview(reply)]  # a Step answers in pieces
         # The reply (up to 32 MiB of rows) within what is left of the call, or the stall limit.
         lane.sock.settimeout(max(self._stall_seconds, deadline - time.monotonic()))
-        wire.send_views(lane.sock, wire.REPLY.pack(wire.REPLY_TAG, token, status, len(reply)), [memoryview(reply)])
+        wire.send_views(lane.sock, wire.REPLY.pack(wire.REPLY_TAG, token, status, sum(map(len, views))), views)
 
     def _receive(self, lane: _Lane, nbytes: int) -> _Staged:
         """A push's bytes, each piece budgeted just before it is read."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from pswire import errors, frames
+from pswire import errors, frames, step
 from pswire.codec import Part, array_bytes, wire_dtype_from_proto
 from pswire.v1 import ps_pb2, ps_pb2_grpc
 from psserver.buffers import settle_heap, trim_heap
@@ -26,6 +27,9 @@ from pswire.wire import (
 )
 
 __all__ = ["INLINE_LIMIT", "ROWS_LIMIT", "ParameterServerServicer", "STATUS_CODES", "Traffic", "add_to_server"]
+
+if TYPE_CHECKING:
+    from psserver.lanecalls import StepCall
 
 log = logging.getLogger(__name__)
 
@@ -251,20 +255,81 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 reply.data_refused.CopyFrom(ps_pb2.DataRefusal(code=code.value[0], details=str(exc)))
         return reply
 
+    def Step(self, call: "StepCall", context) -> list:
+        """The lean step (``pswire.step``, on bulk lanes only): what ``PushPull`` does with a push
+        of every part (or of rows alone), a pull of every part and a read of rows, in the same
+        order and with the same checks; answers with the reply's pieces."""
+        try:
+            request = step.decode_request(call.body)
+        except ValueError as exc:
+            _abort(context, errors.InvalidArgumentError(f"undecodable Step request: {exc}"))
+        asked = [(name, ids) for name, ids in request.reads if ids.size]
+        checked = None
+        try:
+            self._store.check_session(request.worker_id, request.generation, request.session)
+            parts, dims = self._store.step_layout()
+            for (name, _), dim in zip(request.reads, request.dims):
+                if name in dims and dims[name] != dim:
+                    raise errors.InvalidArgumentError(f"table {name!r} has rows of {dims[name]} values, the Step "
+                                                      f"says {dim}")
+            if asked:
+                self._check_rows_size(asked)
+                checked = self._store.check_rows(asked)  # before the push: a read refused applies nothing
+            pushing = parts if len(request.dense) else []
+            if not pushing and not request.pushed:
+                raise errors.InvalidArgumentError("the request names no variables and no tables")
+            rows_bytes = sum(len(b.ids) + len(b.values) for b in request.pushed)
+            grads, release = self._intake.flat(pushing, request.dense, rows_bytes, context)
+        except (errors.PSError, ValueError) as exc:
+            self._store.note_rejected(exc, received=True)
+            log.warning("push refused: %s", exc)
+            _abort(context, exc)
+        result = self._applied(context, request, request.pushed, request.data, pushing, grads, release)
+        try:
+            values, version, clock = [], result.version, None
+            if parts:
+                snapshot = self._store.pull({}, timeout=time_left(context, margin=0.05), worker_id=request.worker_id,
+                                            generation=request.generation, session=request.session)
+                with snapshot:  # copied before the variables are released to the next push
+                    values = [b"".join(_views(snapshot))]
+                version, clock = snapshot.version, snapshot.clock
+                self.traffic.pulled(transport(context), len(values[0]))
+            rows = []
+            if asked or clock is None:  # with no variables here, the read says where the shard is
+                read_version, read_clock, rows = self._store.pull_rows(
+                    asked, timeout=time_left(context, margin=0.05), worker_id=request.worker_id,
+                    generation=request.generation, session=request.session, checked=checked)
+                if clock is None:
+                    version, clock = read_version, read_clock
+        except (errors.PSError, ValueError) as exc:
+            _abort(context, exc)
+        got = iter(values for _, _, values in rows)
+        read = [next(got) if ids.size else np.empty((0, dim), np.float32) for (_, ids), dim in
+                zip(request.reads, request.dims)]
+        self.traffic.pulled(transport(context), sum(r.nbytes for r in read))
+        return step.encode_reply(result.version, result.staleness, result.action.value, version, clock, values, read)
+
     def _push(
         self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list, release: Callable[[], None]
     ) -> ps_pb2.PushResponse:
         """Apply an assembled push; its buffers are released either way."""
+        data = ({"step": header.data.step, "epoch": header.data.epoch, "position": header.data.position}
+                if header.HasField("data") else None)
+        result = self._applied(context, header, header.rows, data, parts, grads, release)
+        return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
+
+    def _applied(self, context, who, blocks, data, parts: list[Part], grads: list, release: Callable[[], None]):
+        """``ShardStore.apply_push``'s result for a push by ``who`` (its ``worker_id``,
+        ``generation``, ``session``, ``sequence``, ``base_version``, ``clock`` and ``base_clock``:
+        a ``TensorHeader`` or a ``pswire.step.StepRequest``) of ``parts`` and the row ``blocks``;
+        the buffers are released either way, a refusal aborts ``context``."""
         try:
-            rows = self._store.decode_rows(header.rows) if header.rows else ()
+            rows = self._store.decode_rows(blocks) if blocks else ()
             if rows:
-                self.traffic.pushed(transport(context), sum(len(b.ids) + len(b.values) for b in header.rows))
+                self.traffic.pushed(transport(context), sum(len(b.ids) + len(b.values) for b in blocks))
             result = self._store.apply_push(
-                header.worker_id, header.generation, header.sequence, header.base_version, parts, grads,
-                clock=header.clock, base_clock=header.base_clock,
-                data={"step": header.data.step, "epoch": header.data.epoch, "position": header.data.position}
-                if header.HasField("data") else None,
-                session=header.session, rows=rows,
+                who.worker_id, who.generation, who.sequence, who.base_version, parts, grads,
+                clock=who.clock, base_clock=who.base_clock, data=data, session=who.session, rows=rows,
             )
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected(exc)
@@ -279,7 +344,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self._heap_settled = True
             if not settle_heap():
                 log.debug("the C heap is left as it is (not glibc, or malloc's bounds set in the environment)")
-        return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
+        return result
 
     def Checkpoint(self, request: ps_pb2.CheckpointRequest, context: grpc.ServicerContext) -> ps_pb2.CheckpointResponse:
         try:
@@ -454,13 +519,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             asked.append((block.table, ids))
         if len({name for name, _ in asked}) != len(asked):
             raise errors.InvalidArgumentError("a table is listed twice in one PullRows")
+        self._check_rows_size(asked)
+        return asked
+
+    def _check_rows_size(self, asked: list[tuple[str, np.ndarray]]) -> None:
+        """Raises ``TooLargeError`` for a read of more rows than one reply carries."""
         nbytes = self._store.rows_bytes(asked)
         if nbytes > ROWS_LIMIT:
             raise errors.TooLargeError(
                 f"PullRows asks for {nbytes} bytes of rows, above the {ROWS_LIMIT} one call answers with: "
                 "ask in pieces"
             )
-        return asked
 
     def _read_rows(self, request: ps_pb2.PullRowsRequest, asked: list[tuple[str, np.ndarray]],
                    context: grpc.ServicerContext, checked: list | None = None,

@@ -446,6 +446,14 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
             self._counters.updates_nonfinite += exc.update
             raise NonFiniteError(f"push of {who} refused: {exc}") from None
 
+    def step_layout(self) -> tuple[list[Part], dict[str, int]]:
+        """What a ``Step`` (``pswire.step``) is checked against: every part this shard holds, in
+        the job's order, and each table's row width. Raises ``FencedError`` without a job."""
+        with self._lock:
+            if self._job is None:
+                raise FencedError("this shard has no job (it restarted without a checkpoint?): register again")
+            return list(self._job.parts), {name: table.spec.dim for name, table in self._tables.items()}
+
     def decode_rows(self, blocks: Sequence) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """``(table, ids, gradients)`` of a push's ``RowBlock`` messages, their sizes checked
         against the job's tables (each table once). Raises ``InvalidArgumentError`` naming the

@@ -65,9 +65,11 @@ with ``RETRYABLE_FLAG`` set for admission control's refusals), body length; then
 serialized response when the status is OK (0), else the error's details in UTF-8."""
 REPLY_TAG = b"PSRE"
 RETRYABLE_FLAG = 1 << 8
-LANE_METHODS = ("PushPull", "PushInline", "PullInline", "PullRows", "Data")
-"""The unary calls a lane may carry whole, by index: the data path's small calls, and a dynamic
-data worker's exchange of data tasks (``psworker.elastic``), which comes every few steps."""
+LANE_METHODS = ("PushPull", "PushInline", "PullInline", "PullRows", "Data", "Step")
+"""The unary calls a lane may carry whole, by index: the data path's small calls, a dynamic
+data worker's exchange of data tasks (``psworker.elastic``), which comes every few steps, and
+``Step``, an async step's push and reads in the fixed layout of ``pswire.step`` (no gRPC method:
+lanes only)."""
 CALL_LIMIT = 8 << 20
 """The largest ``CALL`` body a shard reads (larger calls go through gRPC); a lane announcing
 more is closed."""

@@ -102,6 +102,9 @@ class WorkerConfig:
     no_lane_calls: bool = _f(False, "Make the small calls of every step (inline pushes and pulls, row reads) as gRPC "
                              "calls; by default they travel whole on a bulk lane, which costs a tenth of the CPU.",
                              flag=True)
+    no_step_calls: bool = _f(False, "Make each async step's call to a shard as a PushPull (protobuf) rather than as "
+                             "a Step, the same push and reads in a fixed binary layout that costs less CPU on both "
+                             "sides.", flag=True)
     pack_below: int = _f(PACK_BELOW, "A model of at most this many bytes lives whole on shard 0: one call per step "
                          "instead of one per shard. 0 spreads every model over the shards. Every worker of a job "
                          "must give the same (it is part of the placement the shards check).")

@@ -92,12 +92,15 @@ class Lane:
         deadline = time.monotonic() + max(timeout, 0.001)
         return self.receive_reply(self.send_call(method, request, timeout), deadline)
 
-    def send_call(self, method: int, request: bytes, timeout: float) -> int:
-        """Send a whole call without waiting for its reply (:meth:`receive_reply`); its token."""
+    def send_call(self, method: int, request: bytes | Sequence[memoryview | bytes], timeout: float) -> int:
+        """Send a whole call without waiting for its reply (:meth:`receive_reply`); its token.
+        ``request``: the serialized request, or its pieces (byte views) end to end."""
         token = self.next_token()
         self.sock.settimeout(max(timeout, 0.001))
-        body = _TIMEOUT.pack(min(int(timeout * 1000), _TIMEOUT_MAX)) + request
-        self.sock.sendall(wire.CALL.pack(wire.CALL_TAG, token, method, len(body)) + body)
+        pieces = [request] if isinstance(request, bytes) else request
+        nbytes = _TIMEOUT.size + sum(map(len, pieces))
+        self.sock.sendall(b"".join([wire.CALL.pack(wire.CALL_TAG, token, method, nbytes),
+                                    _TIMEOUT.pack(min(int(timeout * 1000), _TIMEOUT_MAX)), *pieces]))
         return token
 
     def receive_reply(self, token: int, deadline: float) -> tuple[int, bytes]:

@@ -65,6 +65,11 @@ class ClientOptions:
     """With ``bulk``: the small calls of the data path (inline pushes and pulls, their
     push-and-pull, row reads) travel whole on a bulk lane, answered by the lane's own thread on
     the shard, instead of as gRPC calls: a tenth of the CPU per call. False: they use gRPC."""
+    step_calls: bool = True
+    """With ``lane_calls``: an async step whose calls fit in ``inline_bytes`` goes to each shard as
+    one ``Step`` (``pswire.step``: the push, the variables and the rows read after it in a fixed
+    binary layout, no protobuf), which costs both sides less CPU than ``PushPull``. False: every
+    step is made in ``PushPull`` calls."""
     pack_below: int = PACK_BELOW
     """A model of at most this many bytes lives whole on shard 0 (one call per step, not one per
     shard); 0 spreads every model. Part of the placement: every worker of a job must agree, and

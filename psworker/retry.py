@@ -8,7 +8,7 @@ name that does not resolve, a failed TLS handshake) rather than its raw details,
 to give when a shard refused one.
 
 ``retrying`` decides how long a call is tried again: while its errors are transient
-(``_TRANSIENT``: the shard is unreachable, too slow, or turned the call away as overloaded), for
+(``TRANSIENT``: the shard is unreachable, too slow, or turned the call away as overloaded), for
 a budget of seconds (``ClientOptions.retry_timeout``) spent on attempts a couple of seconds apart
 with jittered exponential backoff, after which it raises the last error naming the shard, the
 reason, since when and how many attempts were made. The channel's own transparent retries of
@@ -31,7 +31,7 @@ from pswire.security import TOKEN_ENV
 if TYPE_CHECKING:
     from psworker.options import ClientOptions
 
-__all__ = ["REPORT_EVERY", "retrying", "translate", "unreachable"]
+__all__ = ["REPORT_EVERY", "TRANSIENT", "retrying", "translate", "unreachable"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ _HINTS = {
     errors.PermissionDeniedError: f"use a token of the role named (--token-file FILE or {TOKEN_ENV})",
 }
 
-_TRANSIENT = (errors.UnavailableError, errors.DeadlineError, errors.OverloadedError)
+TRANSIENT = (errors.UnavailableError, errors.DeadlineError, errors.OverloadedError)
 
 _MAX_BACKOFF = 2.0
 """Longest pause between attempts at a shard that is unreachable or slow: the channel's own
@@ -71,7 +71,7 @@ or still does not answer while a worker waits to connect."""
 
 
 def retrying(call, options: ClientOptions, address: str, what: str,
-             retry: tuple[type[errors.PSError], ...] = _TRANSIENT, within: float | None = None):
+             retry: tuple[type[errors.PSError], ...] = TRANSIENT, within: float | None = None):
     """Run ``call`` until it succeeds, retrying with backoff while the shard is unreachable,
     does not answer in time (a restart, a partition) or turns the call away as overloaded (the
     errors in ``retry``), for up to ``within`` seconds (default ``options.retry_timeout``). A

@@ -39,7 +39,7 @@ that does not answer it evicts the worker when its lease runs out anyway."""
 
 _RESPONSES = {
     name: getattr(ps_pb2, ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name[name].output_type.name)
-    for name in LANE_METHODS
+    for name in LANE_METHODS if name != "Step"  # no gRPC method: its reply is pswire.step's layout
 }
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -183,8 +183,11 @@ class ShardClient(ShardChannel):
         request was not sent: use gRPC)."""
         if not self._lane_carries(method, request):
             return None
-        body = request.SerializeToString()
-        if len(body) >= CALL_LIMIT - 64:
+        return self._start_body(method, request.SerializeToString(), timeout)
+
+    def _start_body(self, method: str, body: bytes | Sequence[memoryview | bytes], timeout: float) -> "_Pending | None":
+        """``_start`` of a request already serialized (``body``: whole, or its pieces)."""
+        if (len(body) if isinstance(body, bytes) else sum(map(len, body))) >= CALL_LIMIT - 64:
             return None
         lane = self.lanes.take()
         if lane is None:
@@ -236,7 +239,7 @@ class ShardClient(ShardChannel):
         if status:
             failed = LaneCallError(status, body)
             raise translate(failed, self.address) from failed
-        return _RESPONSES[method].FromString(body)
+        return _RESPONSES[method].FromString(body) if method != "Step" else body
 
     def start_push_pull(
         self, header: ps_pb2.TensorHeader, buffers: Sequence[memoryview], request: ps_pb2.PullRequest | None,
@@ -255,6 +258,19 @@ class ShardClient(ShardChannel):
         data_request = data.request if data is not None else None
         return self._start("PushPull", ps_pb2.PushPullRequest(push=push, pull=request, rows=rows, data=data_request),
                            self._pull_deadline(nbytes + pushed + rows_bytes, False))
+
+    def start_step(self, pieces: Sequence[memoryview | bytes], nbytes: int) -> "_Pending | None":
+        """Send a ``Step`` (``pswire.step.encode_request``'s ``pieces``; ``nbytes``: the bytes
+        both ways, for its deadline) whole on a lane, without waiting: :meth:`finish_step` reads
+        the reply. None when it cannot go on a lane (lane calls off, no lane to be had, too
+        large): nothing was sent."""
+        if not self.options.lane_calls or self.session is None:
+            return None
+        return self._start_body("Step", pieces, self._pull_deadline(nbytes, False))
+
+    def finish_step(self, pending: "_Pending") -> bytes:
+        """The reply's body to a ``Step`` :meth:`start_step` sent; raises as :meth:`push_pull`."""
+        return self._finish(pending)
 
     def finish_push_pull(
         self, pending: "_Pending", destinations: Mapping[str, torch.Tensor] | None, data: "DataRider | None" = None,

@@ -261,9 +261,9 @@ def test_a_lookup_of_the_announced_ids_sorts_them_once_and_ids_changed_since_are
 
 @pytest.mark.parametrize("lane_calls", [True, False], ids=["lane-calls", "grpc"])
 def test_a_shard_holding_only_rows_gets_no_pull_and_its_rows_say_its_version(monkeypatch, lane_calls):
-    """The model ("w") lives whole on shard 0; shard 1 holds only rows. Its step call carries no
-    pull (it would read no variable), and the rows read after the push give the version and
-    clock the next push is measured from."""
+    """The model ("w") lives whole on shard 0; shard 1 holds only rows. Its step's PushPull
+    carries no pull (it would read no variable), and the rows read after the push give the
+    version and clock the next push is measured from."""
     sent: list[tuple[str, bool]] = []
     for name in ("start_push_pull", "push_pull"):
         original = getattr(ShardClient, name)
@@ -274,7 +274,7 @@ def test_a_shard_holding_only_rows_gets_no_pull_and_its_rows_say_its_version(mon
 
         monkeypatch.setattr(ShardClient, name, spied)
     with _shards(2) as started:
-        with _registered(started, lane_calls=lane_calls) as client:
+        with _registered(started, lane_calls=lane_calls, step_calls=False) as client:
             rows_only = client._require_sessions()[1]
             assert not rows_only.parts
             ids = np.array([1, 2, 3, 6, 9], dtype=np.int64)  # rows on both shards
