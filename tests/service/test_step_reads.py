@@ -72,14 +72,16 @@ class _ReadCounter:
 
 
 def _train(addresses: str, steps: int, *, with_step: bool, consistency: Consistency | None = None,
-           lane_calls: bool = True, counter: _ReadCounter | None = None) -> tuple[list[float], np.ndarray, int]:
+           lane_calls: bool = True, step_calls: bool = True,
+           counter: _ReadCounter | None = None) -> tuple[list[float], np.ndarray, int]:
     """One worker's ``steps`` steps; ``with_step``: each step announces the next batch's rows
     (``prefetch(..., with_step=True)``) before ``optimizer.step()``. Returns the losses, the
     whole table after, and the rows the shards read in training. ``counter``: counts the
     training's row reads (not the table's read after)."""
     torch.manual_seed(0)
     session = psworker.connect(addresses, worker_name="w0",
-                               options=ClientOptions(timeout=WAIT, connect_timeout=WAIT, lane_calls=lane_calls))
+                               options=ClientOptions(timeout=WAIT, connect_timeout=WAIT, lane_calls=lane_calls,
+                                                     step_calls=step_calls))
     try:
         extra = {"consistency": consistency} if consistency is not None else {}
         model, optimizer = session.prepare(_Model(), ADAGRAD, **extra)
