@@ -1,7 +1,7 @@
 """The worker's side of the wire: a ``PSClient`` that talks to every shard of a job at once,
 through one ``psworker.shard.ShardClient`` per shard. It is a ``psworker.admin.AdminClient``
 (status, checkpoint, end-job, health, waiting for the shards) that registers, here, and moves
-tensors (``psworker.exchange.Exchange``, its base).
+tensors (``psworker.stepcalls.StepCalls`` over ``psworker.exchange.Exchange``, its bases).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pswire.tables import TableSpec
 from pswire.v1 import ps_pb2
 from pswire.wire import consistency_from_proto, consistency_to_proto, optimizer_to_proto, table_to_proto
 from psworker.admin import AdminClient
-from psworker.exchange import ROWS_PER_CALL, Exchange, _rows
+from psworker.exchange import ROWS_PER_CALL, _rows
+from psworker.stepcalls import StepCalls
 from psworker.options import ClientOptions, parse_addresses
 from psworker.retry import retrying
 from psworker.shard import ShardClient
@@ -82,7 +83,7 @@ class DataRider:
         self.answer(None, None)
 
 
-class PSClient(Exchange, AdminClient):
+class PSClient(StepCalls, AdminClient):
     """A worker's connection to every shard of a job.
 
     Calls fan out to all shards concurrently and return when every shard has answered; an error

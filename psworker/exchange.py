@@ -21,21 +21,21 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pswire import errors, step
+from pswire import errors
 from pswire.consistency import Consistency, Mode
 from pswire.codec import Part, dtype_to_wire, on_wire
 from pswire.dtypes import dtype_of
-from pswire.tables import TableSpec, owner
+from pswire.tables import TableSpec
 from pswire.v1 import ps_pb2
 from psworker.options import ClientOptions
-from psworker.retry import TRANSIENT, retrying
+from psworker.retry import retrying
 from psworker.rowreads import Identity, PlannedTable, RowsCall, plan_rows, row_blocks, rows_calls, write_rows
-from psworker.tensors import tensor_bytes, torch_dtype, write_bytes
+from psworker.tensors import tensor_bytes, torch_dtype
 
 if TYPE_CHECKING:
     from psworker.client import DataRider, _ShardSession
@@ -95,8 +95,6 @@ class Exchange:
     _sessions: list[_ShardSession]
     consistency: Consistency
     tables: dict[str, TableSpec]
-    _rider: DataRider | None
-    """A data exchange waiting to ride on a step (``PSClient.offer_data``)."""
     _take_rider: Callable[[_ShardSession], DataRider | None]
     """The data exchange offered to the next push-and-pull to this shard, if any (``PSClient``)."""
 
@@ -278,17 +276,10 @@ class Exchange:
         shard's share is larger than one reply carries, they are read by :meth:`pull_rows` after
         the step (at once, not waiting on a bound).
 
-        An async step whose calls all fit in ``inline_bytes`` is made as one ``Step`` per shard
-        (``pswire.step``, ``ClientOptions.step_calls``): the same push and reads in a fixed
-        layout, sent whole on the lanes."""
-        every = self._require_sessions()
-        if (self.options.step_calls and self.options.lane_calls and self.options.wire_dtype is None
-                and self.consistency.mode is Mode.ASYNC):
-            replies = self._step_calls(every, grads, destinations, data, base_versions, rows, read_rows)
-            if replies is not None:
-                return replies
-        return self._push_pull(every, grads, destinations, data=data, base_versions=base_versions, rows=rows,
-                               read_rows=read_rows)
+        ``psworker.stepcalls.StepCalls`` makes an async step as one ``Step`` per shard instead,
+        when it can."""
+        return self._push_pull(self._require_sessions(), grads, destinations, data=data,
+                               base_versions=base_versions, rows=rows, read_rows=read_rows)
 
     def _push_pull(
         self, every: list[_ShardSession], grads: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor],
@@ -439,122 +430,6 @@ class Exchange:
                    + ([gather] if later is not None else []))
         return replies
 
-    def _step_calls(
-        self, every: list[_ShardSession], grads: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor],
-        data: Mapping[str, int] | None, base_versions: Sequence[int] | None,
-        rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None,
-        read_rows: Mapping[str, tuple[np.ndarray, np.ndarray]] | None,
-    ) -> list[ps_pb2.PushResponse | None] | None:
-        """An async step as one ``Step`` per shard (``pswire.step``): every call sent whole on its
-        lane, then each reply read in turn, on this thread. None when the step cannot be made so
-        (a variable of a shard missing from ``grads``, a shard with rows to read and nothing to
-        push, a data exchange waiting to ride on the step, a call above ``inline_bytes`` either
-        way, no lane to the first shard): nothing was sent, and :meth:`push_pull` makes the step
-        in ``PushPull`` calls. A shard whose ``Step`` cannot be sent, or fails as a call that may
-        be retried (unreachable, too slow, overloaded), gets its step again as ``PushPull``, with
-        the same sequence number. Every call is finished before an error is raised (the first)."""
-        if self._rider is not None:
-            return None
-        count = len(every)
-        pushed, asked = [], []
-        for table, (ids, values) in (rows or {}).items():
-            spec = self.tables.get(table)
-            if spec is None:
-                return None  # refused by name in PushPull's path
-            ids = np.ascontiguousarray(ids, dtype=np.int64)
-            pushed.append((table, spec, ids, np.ascontiguousarray(values, dtype=np.float32), owner(ids, count)))
-        for table, (ids, out) in (read_rows or {}).items():
-            spec = self.tables.get(table)
-            if spec is None:
-                return None
-            ids = np.ascontiguousarray(ids, dtype=np.int64)
-            asked.append((table, spec, ids, out, owner(ids, count)))
-        bases = dict(zip(map(id, every), base_versions)) if base_versions is not None else {}
-        calls = []
-        for k, session in enumerate(every):
-            if not session.parts and not pushed:
-                if any((where == k).any() for *_, where in asked):
-                    return None  # rows to read but nothing to push: read after the step
-                continue
-            if any(p.name not in grads for p in session.parts):
-                return None
-            dense = [tensor_bytes(_rows(grads[p.name], p)) for p in session.parts]
-            tables, reads, sent, received = [], [], sum(map(len, dense)), sum(p.nbytes for p in session.parts)
-            for table, spec, ids, values, where in pushed:
-                here = where == k
-                tables.append((table, spec.dim, ids[here], values[here], _NO_IDS))
-                sent += int(here.sum()) * (8 + spec.row_bytes)
-            for table, spec, ids, out, where in asked:
-                at = np.flatnonzero(where == k)
-                known = next((i for i, t in enumerate(tables) if t[0] == table), None)
-                if known is None:
-                    tables.append((table, spec.dim, None, None, ids[at]))
-                else:
-                    tables[known] = (*tables[known][:4], ids[at])
-                reads.append((table, spec, out, at))
-                sent, received = sent + 8 * at.size, received + at.size * spec.row_bytes
-            if max(sent, received) > self.options.inline_bytes:
-                return None
-            calls.append(_StepCall(session, k, dense, tables, reads, received, sent + received,
-                                   bases.get(id(session), session.version)))
-        started = time.monotonic()
-        pending = []
-        for call in calls:
-            session = call.session
-            pieces = step.encode_request(
-                worker_id=session.worker_id, generation=session.generation, sequence=session.sequence + 1,
-                base_version=call.base_version, clock=session.clock, base_clock=session.base_clock,
-                session=session.secret, data=data, dense=call.dense, tables=call.tables)
-            sent = session.client.start_step(pieces, call.nbytes)
-            if sent is None and not pending:
-                return None
-            session.sequence += 1  # sent, or about to be made again as PushPull
-            pending.append(sent)
-        replies: list[ps_pb2.PushResponse | None] = [None] * count
-        timings: list[tuple[float, float, float]] = []
-
-        def finish(call: _StepCall, sent) -> None:
-            session = call.session
-            if sent is not None:
-                try:
-                    body = session.client.finish_step(sent)
-                except TRANSIENT as exc:
-                    log.debug("Step to %s failed (%s): made again as PushPull", session.client.address, exc)
-                else:
-                    replies[call.shard] = self._stepped(call, body, destinations)
-                    timings.append(_phases(time.monotonic() - started, call.nbytes - call.received, call.received,
-                                           False))
-                    return
-            replies[call.shard] = self._push_pull(every, grads, destinations, data=data, base_versions=base_versions,
-                                                  rows=rows, read_rows=read_rows, again=session)[call.shard]
-
-        _every_one([functools.partial(finish, call, sent) for call, sent in zip(calls, pending)])
-        if self.options.on_exchange is not None:
-            self._report(timings)
-        return replies
-
-    def _stepped(self, call: "_StepCall", body: bytes, destinations: Mapping[str, torch.Tensor]) -> ps_pb2.PushResponse:
-        """A ``Step``'s reply written out: the variables into ``destinations``, the rows read into
-        their arrays, the session moved on; raises ``PSError`` for a reply that does not answer
-        the call."""
-        session = call.session
-        address = session.client.address
-        try:
-            reply = step.decode_reply(body, sum(p.nbytes for p in session.parts),
-                                      [(at.size, spec.dim) for _, spec, _, at in call.reads])
-        except ValueError as exc:
-            raise errors.PSError(f"shard {address} answered a Step with a reply that does not fit it: {exc}") from None
-        at = 0
-        for part in session.parts:
-            write_bytes(_rows(destinations[part.name], part), reply.dense[at:at + part.nbytes])
-            at += part.nbytes
-            session.known.pop(part.key, None)  # no part's own version comes back
-        for (_, _, out, positions), values in zip(call.reads, reply.rows):
-            out[positions] = values
-        session.clock += 1
-        session.version, session.base_clock = reply.version, reply.clock
-        return ps_pb2.PushResponse(version=reply.push_version, staleness=reply.staleness, action=reply.action)
-
     def pull_rows(
         self, requests: Mapping[str, np.ndarray], *, wait: bool = True, as_reader: bool = False
     ) -> dict[str, np.ndarray]:
@@ -600,27 +475,6 @@ class Exchange:
             if not self._sessions:
                 raise errors.PreconditionError("register (or set_placement) before pull and push")
             return list(self._sessions)
-
-
-_NO_IDS = np.empty(0, dtype=np.int64)
-
-
-class _StepCall(NamedTuple):
-    """One shard's ``Step`` of a step (``Exchange._step_calls``)."""
-
-    session: "_ShardSession"
-    shard: int
-    dense: list[memoryview]
-    """The gradients of every part the shard holds, in order."""
-    tables: list[tuple]
-    """``pswire.step.encode_request``'s tables."""
-    reads: list[tuple]
-    """Per table read: ``(table, spec, the array its values go to, positions there)``."""
-    received: int
-    """Bytes of the reply's values (variables and rows)."""
-    nbytes: int
-    """Bytes both ways (for the deadline)."""
-    base_version: int
 
 
 def _phases(seconds: float, pushed: int, pulled: int, may_wait: bool) -> tuple[float, float, float]:
