@@ -7,6 +7,7 @@ ready for ``ShardStore.apply_push`` and a release that gives their buffers back 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -248,9 +249,11 @@ class PushIntake:
 
     def staged(
         self, header: ps_pb2.TensorHeader, bulk: ps_pb2.BulkRef, context: grpc.ServicerContext
-    ) -> tuple[list[Part], list[np.ndarray], Callable[[], None]]:
+    ) -> tuple[list[Part], list[np.ndarray], Callable[[], None], list[float | None]]:
         """A push whose bytes were staged on a bulk lane: the gradients are views of the staged
-        buffer (no copy), which goes back to the lanes' pool on release."""
+        buffer (no copy), which goes back to the lanes' pool on release; and per gradient, the
+        bound its bytes were read for while they arrived (``ShardStore.apply_push``'s
+        ``screened``): float32 gradients of a push of several pieces, sent uncompressed."""
         if self._lanes is None:
             raise errors.PreconditionError("this shard has no bulk lanes (--bulk-port off): send the bytes inline")
         self._store.check_session(header.worker_id, header.generation, header.session)
@@ -278,4 +281,15 @@ class PushIntake:
             self._lanes.give_back(buffer)
             self._buffers.give(*copies)
 
-        return (parts, *self._widen(parts, sent, views, release))
+        screened: list[float | None] = [None] * len(parts)
+        if any(s is p and p.dtype.numpy == np.float32 for s, p in zip(sent, parts)):
+            try:
+                bound = self._lanes.screened(buffer)
+            except BaseException:
+                release()
+                raise
+            if bound is not None:
+                starts = itertools.accumulate((p.nbytes for p in sent), initial=0)
+                screened = [bound if s is p and p.dtype.numpy == np.float32 and start % 4 == 0 else None
+                            for s, p, start in zip(sent, parts, starts)]
+        return (parts, *self._widen(parts, sent, views, release), screened)

@@ -44,6 +44,7 @@ from pswire.errors import (
 from pswire.tlsbio import TLSStream
 from psserver.buffers import BufferPool
 from psserver.inflight import InflightBudget, Transfer
+from psserver.screen import ArrivalScreen
 
 if TYPE_CHECKING:
     from psserver.lanes import SessionSecret
@@ -104,6 +105,8 @@ class _Staged:
     transfer: Transfer | None = None
     error: PSError | None = None
     """A refusal (then no buffer), raised to the call that claims it."""
+    screen: ArrivalScreen | None = None
+    """The bytes read as float32 while they arrived, for a push of more than one piece."""
 
 
 class LaneFrames:
@@ -120,7 +123,7 @@ class LaneFrames:
     _arrived: threading.Condition
     _lanes: dict[int, _Lane]
     _staged: dict[tuple[int, int], _Staged]
-    _claimed: dict[int, Transfer | None]
+    _claimed: dict[int, tuple[Transfer | None, ArrivalScreen | None]]
     _buffers: BufferPool
     _calls: LaneCalls | None
 
@@ -129,10 +132,18 @@ class LaneFrames:
         it, a call closes its lane)."""
         self._calls = calls
 
+    def screened(self, buffer: np.ndarray) -> float | None:
+        """The largest magnitude of a claimed push's bytes read as float32 words, read while they
+        arrived (waits for the last piece's read); None when not read so (a push of one piece) or
+        when a word is not finite."""
+        with self._lock:
+            _, screen = self._claimed.get(id(buffer), (None, None))
+        return None if screen is None else screen.bound()
+
     def give_back(self, buffer: np.ndarray) -> None:
         """Return a claimed push's buffer for reuse (its bytes leave the in-flight budget)."""
         with self._lock:
-            transfer = self._claimed.pop(id(buffer), None)
+            transfer, _ = self._claimed.pop(id(buffer), (None, None))
         if transfer is not None:
             transfer.close()
         self._buffers.give(buffer)
@@ -242,14 +253,18 @@ class LaneFrames:
                 return _Staged(None, lane.owner, error=OverloadedError(
                     f"no memory for a bulk push of {nbytes} bytes: retry later"))
             view = memoryview(buffer)
+            # Each piece is read for NaN while the next arrives; one piece is read after its call.
+            screen = ArrivalScreen(buffer) if nbytes > PIECE_BYTES else None
             for offset in range(0, nbytes, PIECE_BYTES):
                 piece = view[offset : offset + PIECE_BYTES]
                 self._make_room(lane, transfer, len(piece))
                 wire.recv_into(lane.sock, piece, time.monotonic() + self._stall_seconds)
+                if screen is not None:
+                    screen.add(offset, offset + len(piece))
         except BaseException:
             transfer.close()  # the partial buffer is dropped, not pooled
             raise
-        return _Staged(buffer, lane.owner, transfer)
+        return _Staged(buffer, lane.owner, transfer, screen=screen)
 
     def _make_room(self, lane: _Lane, transfer: Transfer, nbytes: int) -> None:
         deadline = time.monotonic() + ROOM_SECONDS
@@ -345,7 +360,7 @@ class LaneFrames:
                 raise InvalidArgumentError(f"bulk lane {lane_id} does not belong to this session")
             del self._staged[key]
             if staged.error is None and staged.buffer is not None and staged.buffer.size == nbytes:
-                self._claimed[id(staged.buffer)] = staged.transfer
+                self._claimed[id(staged.buffer)] = (staged.transfer, staged.screen)
                 return staged.buffer
         if staged.error is not None:
             raise staged.error

@@ -34,6 +34,7 @@ from pswire.tlsbio import TLSStream
 from psserver.buffers import BufferPool
 from psserver.inflight import InflightBudget, Transfer
 from psserver.laneframes import LaneCalls, LaneFrames, _Lane, _Staged
+from psserver.screen import ArrivalScreen
 
 __all__ = ["LaneCalls", "LaneServer", "SessionSecret", "admission", "owner_admission"]
 
@@ -122,7 +123,8 @@ class LaneServer(LaneFrames):
         self._lanes: dict[int, _Lane] = {}
         self._handshaking: dict[str, int] = {}  # address -> its lanes not yet authenticated
         self._staged: dict[tuple[int, int], _Staged] = {}
-        self._claimed: dict[int, Transfer | None] = {}  # id(buffer) -> its budget, until given back
+        # id(buffer) -> its budget and its read while arriving, until given back
+        self._claimed: dict[int, tuple[Transfer | None, ArrivalScreen | None]] = {}
         self._buffers = BufferPool(keep=_FREE_PER_SIZE)
         self._stopped = False
         self._stopping = threading.Event()

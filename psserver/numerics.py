@@ -21,7 +21,7 @@ import concurrent.futures
 import functools
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -29,7 +29,7 @@ import numpy as np
 from pswire.dtypes import dtype_of
 from pswire.errors import InvalidArgumentError
 
-__all__ = ["CHUNK_ELEMENTS", "PARALLEL_ELEMENTS", "magnitude"]
+__all__ = ["CHUNK_ELEMENTS", "PARALLEL_ELEMENTS", "magnitude", "magnitude_later"]
 
 CHUNK_ELEMENTS = 1 << 16
 """Elements per slice of an update (256 KiB of float32): its temporaries stay below glibc's
@@ -126,7 +126,7 @@ def _format(dtype: np.dtype) -> _Format:
     return _Format(_from_bits(inf_bits - 1, dtype), 1 + 4 * ulp_of_one, _from_bits(1, dtype), inf_bits)
 
 
-def _largest_magnitude(a: np.ndarray, chunk: int) -> tuple[float | None, bool]:
+def _largest_magnitude(a: np.ndarray, chunk: int, *, parallel: bool = True) -> tuple[float | None, bool]:
     """The largest ``|x|`` over ``a``'s elements (None if one is infinite or NaN), and whether an
     element is negative (below -0.0).
 
@@ -135,7 +135,8 @@ def _largest_magnitude(a: np.ndarray, chunk: int) -> tuple[float | None, bool]:
     formats order magnitudes as unsigned integers once the sign bit is cleared, so the signed
     view's maximum is the largest magnitude among elements with the sign bit clear and the
     unsigned view's among those with it set. A C-contiguous array is read a slice at a time so
-    that the second reduction finds the slice in cache.
+    that the second reduction finds the slice in cache; on the update threads when large, unless
+    not ``parallel`` (when called from one of them).
     """
     signed, unsigned = _BIT_VIEWS[a.itemsize]
     as_signed, as_unsigned = a.view(signed), a.view(unsigned)
@@ -150,7 +151,7 @@ def _largest_magnitude(a: np.ndarray, chunk: int) -> tuple[float | None, bool]:
                 top_unsigned = max(top_unsigned, int(as_unsigned[start:stop].max()))
             return top_signed, top_unsigned
 
-        tops = _each(scan, _ranges(a.size, chunk))
+        tops = _each(scan, _ranges(a.size, chunk)) if parallel else [scan(0, a.size)]
     else:
         tops = [(int(as_signed.max()), int(as_unsigned.max()))]  # a strided reduction copies nothing
     top_signed, top_unsigned = max(t[0] for t in tops), max(t[1] for t in tops)
@@ -168,6 +169,12 @@ def magnitude(a: np.ndarray) -> float | None:
     if a.size == 0:
         return 0.0
     return _largest_magnitude(a, CHUNK_ELEMENTS)[0]
+
+
+def magnitude_later(a: np.ndarray) -> Future[float | None]:
+    """:func:`magnitude` of ``a``, read on one of the update threads while the caller goes on;
+    ``a`` must not change until the result is in."""
+    return _pool().submit(lambda: None if a.size == 0 else _largest_magnitude(a, CHUNK_ELEMENTS, parallel=False)[0])
 
 
 class _Bounds:

@@ -4,7 +4,7 @@ status codes (one table), and nothing else."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -207,8 +207,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if request.HasField("bulk"):
                 if request.data:
                     raise errors.InvalidArgumentError("a push staged on a bulk lane carries no inline data")
-                parts, grads, release = self._intake.staged(request.header, request.bulk, context)
+                parts, grads, release, screened = self._intake.staged(request.header, request.bulk, context)
             else:
+                screened = ()
                 if len(request.data) != len(request.header.parts):
                     raise errors.InvalidArgumentError(
                         f"inline push carries {len(request.data)} tensors for {len(request.header.parts)} parts"
@@ -219,7 +220,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self._store.note_rejected(exc, received=True)
             log.warning("push refused: %s", exc)
             _abort(context, exc)
-        return self._push(context, request.header, parts, grads, release)
+        return self._push(context, request.header, parts, grads, release, screened)
 
     def PushPull(self, request: ps_pb2.PushPullRequest, context: grpc.ServicerContext) -> ps_pb2.PushPullResponse:
         asked = checked = None
@@ -310,15 +311,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return step.encode_reply(result.version, result.staleness, result.action.value, version, clock, values, read)
 
     def _push(
-        self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list, release: Callable[[], None]
+        self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list, release: Callable[[], None],
+        screened: Sequence[float | None] = (),
     ) -> ps_pb2.PushResponse:
-        """Apply an assembled push; its buffers are released either way."""
+        """Apply an assembled push (``screened``: as ``ShardStore.apply_push`` takes it); its
+        buffers are released either way."""
         data = ({"step": header.data.step, "epoch": header.data.epoch, "position": header.data.position}
                 if header.HasField("data") else None)
-        result = self._applied(context, header, header.rows, data, parts, grads, release)
+        result = self._applied(context, header, header.rows, data, parts, grads, release, screened)
         return ps_pb2.PushResponse(version=result.version, staleness=result.staleness, action=result.action.value)
 
-    def _applied(self, context, who, blocks, data, parts: list[Part], grads: list, release: Callable[[], None]):
+    def _applied(self, context, who, blocks, data, parts: list[Part], grads: list, release: Callable[[], None],
+                 screened: Sequence[float | None] = ()):
         """``ShardStore.apply_push``'s result for a push by ``who`` (its ``worker_id``,
         ``generation``, ``session``, ``sequence``, ``base_version``, ``clock`` and ``base_clock``:
         a ``TensorHeader`` or a ``pswire.step.StepRequest``) of ``parts`` and the row ``blocks``;
@@ -330,6 +334,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             result = self._store.apply_push(
                 who.worker_id, who.generation, who.sequence, who.base_version, parts, grads,
                 clock=who.clock, base_clock=who.base_clock, data=data, session=who.session, rows=rows,
+                screened=screened,
             )
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected(exc)

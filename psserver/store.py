@@ -266,10 +266,14 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         data: Mapping[str, int] | None = None,
         session: bytes | None = None,
         rows: Sequence[tuple[str, np.ndarray, np.ndarray]] = (),
+        screened: Sequence[float | None] = (),
     ) -> PushResult:
         """Handle one push atomically per the job's consistency: apply it (every part and every
         table's rows, or none), scale it, drop it, or add it to the open sync clock. ``rows``:
         ``(table, ids, gradients)`` of this shard's rows (:meth:`decode_rows`), each id once.
+        ``screened``: per gradient, a bound on its magnitude already read by this shard (every
+        element finite and at most that; a bulk push's bytes are read while they arrive), or None
+        where it is still to be read.
 
         A push whose ``sequence`` this worker generation already had handled is acknowledged
         again with its original reply and not re-applied; one older than the dedupe window, whose
@@ -281,7 +285,7 @@ class ShardStore(Membership, Lifecycle, Reports, Reads):
         ``PreconditionError`` for an unknown, departed or stale-generation worker.
         """
         try:
-            known = gradient_bounds(parts, grads)  # read here, outside the lock
+            known = gradient_bounds(parts, grads, screened)  # read here, outside the lock
             check_count("sequence", sequence)
             check_count("clock", clock)
             check_count("base clock", base_clock)

@@ -17,11 +17,12 @@ import grpc
 import pytest
 import torch
 
+from psserver import screen
 from psserver.config import ServerConfig
 from psserver.server import create_server
 from pswire import errors
 from pswire import lanes as wire
-from pswire.dtypes import FLOAT32
+from pswire.dtypes import FLOAT16, FLOAT32
 from pswire.optim import OptimizerConfig
 from pswire.placement import VariableSpec
 from pswire.v1 import ps_pb2, ps_pb2_grpc
@@ -243,6 +244,66 @@ def test_bad_bulk_pushes_are_refused_and_change_nothing(shard):
     finally:
         channel.close()
         client.close()
+
+
+BIG_ROWS = 2304  # 2304 x 1024 float32 = 9 MiB: a push of three lane pieces (4 + 4 + 1 MiB and the rest)
+BIG_SPEC = [VariableSpec("big", (BIG_ROWS, 1024), FLOAT32), VariableSpec("bias", (5,), FLOAT32),
+            VariableSpec("half", (3,), FLOAT16)]  # 6 bytes: the push ends inside a float32 word
+BIG_INITIAL = {"big": torch.full((BIG_ROWS, 1024), 2.0), "bias": torch.arange(5.0),
+               "half": torch.tensor([1.0, -1.0, 0.5], dtype=torch.float16)}
+BIG_GRADS = {"big": torch.full((BIG_ROWS, 1024), 0.5), "bias": torch.full((5,), 2.0),
+             "half": torch.tensor([0.5, 0.5, -0.5], dtype=torch.float16)}
+
+
+def test_a_push_of_several_pieces_is_read_for_nan_while_it_arrives(monkeypatch):
+    """A bulk push of more than one piece has its float32 bytes read for NaN and infinity as each
+    piece lands (``psserver.screen.ArrivalScreen``): after its last byte only what was not read
+    so (here the float16 variable) is read. A NaN or an infinity in any piece, the last one
+    included, still refuses the push whole, and the shard serves the next."""
+    read_after: list[int] = []
+    real = screen.magnitude
+    monkeypatch.setattr(screen, "magnitude", lambda a: read_after.append(a.size) or real(a))
+    started = create_server(ServerConfig(port=0, max_request_bytes=64 << 20))
+    client = client_for(started)
+    channel, stub = _stub(started)
+    try:
+        assert client.register(BIG_SPEC, SGD, worker_name="w0", initial_values=BIG_INITIAL)
+        (reply,) = client.push(BIG_GRADS)
+        assert reply.version == 1
+        assert 0 < max(read_after) < 16, read_after  # the 9 MiB and the bias were read as they came
+        dest = {k: torch.zeros_like(v) for k, v in BIG_INITIAL.items()}
+        client.pull(dest)
+        assert same(dest, {k: v - 0.5 * BIG_GRADS[k] for k, v in BIG_INITIAL.items()})
+
+        (session,) = client._sessions
+        header = client._header(session, 0)
+        sock, lane_id = _raw_lane(started, client)
+        with sock:
+            for token, (name, index, value) in enumerate(
+                    [("big", (1 << 20) + 3, float("nan")),  # in the second piece
+                     ("bias", 4, float("inf")),  # in the last piece, beside the float16 bytes
+                     ("big", BIG_ROWS * 1024 - 1, float("-inf"))], start=2):
+                grads = {k: v.clone() for k, v in BIG_GRADS.items()}
+                grads[name].view(-1)[index] = value
+                body = b"".join(grads[v.name].numpy().tobytes() for v in BIG_SPEC)
+                sock.sendall(wire.PUSH.pack(wire.PUSH_TAG, token, len(body)) + body)
+                header.sequence = token
+                ref = ps_pb2.BulkRef(lane=lane_id, token=token, nbytes=len(body))
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.PushInline(ps_pb2.InlinePush(header=header, bulk=ref), timeout=RPC_TIMEOUT)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+                assert "NaN or Inf" in caught.value.details() and name in caught.value.details()
+        again = {k: torch.zeros_like(v) for k, v in BIG_INITIAL.items()}
+        assert client.pull(again) == [1]
+        assert same(again, dest)  # nothing of the refused pushes applied
+        (reply,) = client.push(BIG_GRADS)  # still serving
+        assert reply.version == 2
+        (st,) = client.status()
+        assert (st.pushes_applied, st.pushes_rejected) == (2, 3)
+    finally:
+        channel.close()
+        client.close()
+        started.stop(grace=0)
 
 
 @pytest.mark.parametrize("authenticated", [True, False], ids=["in-a-session", "unauthenticated"])
