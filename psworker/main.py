@@ -56,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server is not None:
             server.close()
     print(json.dumps(result), flush=True)
+    # Done and reported: a stop asked from now on (a scale-down that crossed the job's end) has
+    # nothing left to stop, and must not turn this exit into a death by signal, which would lose
+    # the result to whoever waits on the exit status.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 
 

@@ -29,8 +29,10 @@ T = TypeVar("T")
 TASK = "mnist1d-cnn"
 TOTAL = 600_000
 """The job's examples: mnist1d-cnn's default job, 150 epochs of 4,000."""
-GROWN_EPOCHS = 200
-"""The scaled job's length: long enough to add a worker and take it away while it trains."""
+GROWN_EPOCHS = 600
+"""The scaled job's length: long enough to add a worker and take it away while it trains (about
+30 s; at 200 epochs a CI run's job ran out of data 1.2 s after the third worker started, and the
+scale-down's signal reached it as it exited)."""
 RESOURCES = ["--shard-resources", '{"ps_shard": 1}', "--worker-resources", '{"ps_worker": 1}']
 """As the README's job asks for them (the Python API test passes them itself)."""
 _SERVES = re.compile(r"shard(\d+) serves on ([\d.]+):(\d+) \(Ray actor pid (\d+)")
@@ -214,7 +216,8 @@ def test_a_worker_added_while_the_job_runs_joins_takes_data_and_leaves_when_scal
               f"logging.basicConfig(level=logging.INFO)\n"
               f"summary = psworker.ray.run({TASK!r}, address={ray_cluster.gcs!r}, shards=2, workers=2, "
               f"job_name='grow', run_dir={str(tmp_path / 'run')!r}, shard_resources={{'ps_shard': 1}}, "
-              f"worker_resources={{'ps_worker': 1}}, auth=True, worker_args=['--epochs', '{GROWN_EPOCHS}'])\n"
+              f"worker_resources={{'ps_worker': 1}}, auth=True, "
+              f"worker_args=['--epochs', '{GROWN_EPOCHS}', '--log-every', '1'])\n"
               f"print(json.dumps(summary))\n")
     job = start_job(ray_cluster, tmp_path, [sys.executable, "-c", script])
     scale = readme_line(".venv/bin/pscluster --ray A:6379 --job-name", ray_cluster, tmp_path)
@@ -228,7 +231,7 @@ def test_a_worker_added_while_the_job_runs_joins_takes_data_and_leaves_when_scal
     try:
         job.wait_for(r"worker-\d+ step \d+", timeout=120)
         set_workers(3)
-        job.wait_for(r"\[worker-2\].* step \d+", timeout=90)  # it trains
+        job.wait_for(r"\[worker-2\].* step \d+ loss", timeout=90)  # it trains (not "starts at step 1")
         set_workers(2)
         job.wait_for(r"scaling to 2 worker\(s\): stopping 1", timeout=30)
         summary = job.summary(timeout=200)
