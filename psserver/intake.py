@@ -7,7 +7,6 @@ ready for ``ShardStore.apply_push`` and a release that gives their buffers back 
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -266,7 +265,10 @@ class PushIntake:
         )
         self._traffic.pushed("lane", total)
         views, copies, offset = [], [], 0
-        for part in sent:
+        words = []  # the float32 gradients sent as such, each starting on a word of the buffer
+        for i, part in enumerate(sent):
+            if part is parts[i] and part.dtype.numpy == np.float32 and offset % 4 == 0:
+                words.append(i)
             piece = buffer[offset : offset + part.nbytes]
             offset += part.nbytes
             if piece.size and piece.ctypes.data % part.dtype.itemsize:  # misaligned for a view
@@ -282,14 +284,11 @@ class PushIntake:
             self._buffers.give(*copies)
 
         screened: list[float | None] = [None] * len(parts)
-        if any(s is p and p.dtype.numpy == np.float32 for s, p in zip(sent, parts)):
-            try:
-                bound = self._lanes.screened(buffer)
-            except BaseException:
-                release()
-                raise
-            if bound is not None:
-                starts = itertools.accumulate((p.nbytes for p in sent), initial=0)
-                screened = [bound if s is p and p.dtype.numpy == np.float32 and start % 4 == 0 else None
-                            for s, p, start in zip(sent, parts, starts)]
+        try:
+            bound = self._lanes.screened(buffer) if words else None
+        except BaseException:
+            release()
+            raise
+        for i in words if bound is not None else ():
+            screened[i] = bound
         return (parts, *self._widen(parts, sent, views, release), screened)

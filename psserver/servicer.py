@@ -209,13 +209,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     raise errors.InvalidArgumentError("a push staged on a bulk lane carries no inline data")
                 parts, grads, release, screened = self._intake.staged(request.header, request.bulk, context)
             else:
-                screened = ()
                 if len(request.data) != len(request.header.parts):
                     raise errors.InvalidArgumentError(
                         f"inline push carries {len(request.data)} tensors for {len(request.header.parts)} parts"
                     )
                 self._store.check_session(request.header.worker_id, request.header.generation, request.header.session)
-                parts, grads, release = self._intake.inline(request.header, request.data, context)
+                parts, grads, release, screened = (*self._intake.inline(request.header, request.data, context), ())
         except (errors.PSError, ValueError) as exc:
             self._store.note_rejected(exc, received=True)
             log.warning("push refused: %s", exc)
@@ -314,8 +313,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, context, header: ps_pb2.TensorHeader, parts: list[Part], grads: list, release: Callable[[], None],
         screened: Sequence[float | None] = (),
     ) -> ps_pb2.PushResponse:
-        """Apply an assembled push (``screened``: as ``ShardStore.apply_push`` takes it); its
-        buffers are released either way."""
+        """Apply an assembled push (``screened`` as ``ShardStore.apply_push`` takes it); its buffers are released either way."""
         data = ({"step": header.data.step, "epoch": header.data.epoch, "position": header.data.position}
                 if header.HasField("data") else None)
         result = self._applied(context, header, header.rows, data, parts, grads, release, screened)
