@@ -49,10 +49,10 @@ class BenchConfig:
                      "in about a minute.")
     only: str = _f("", "Run only these sections, comma-separated, of: " + ", ".join(SECTIONS)
                    + ". goodput and latency bring baselines along (their ratios need it).")
-    reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 5 for transfers "
-                          "and for metrics' and elastic's throughput pairs, sparse's step passes and elastic's mnist1d-cnn "
-                          "jobs, 3 for training, for sparse's dlrm-synth pairs and for scale's passes over "
-                          "the worker counts; --quick: 2 for transfers, else 1).")
+    reps: int | None = _f(None, "Timed repetitions of each figure after its warm-up (default: 20 for transfers, "
+                          "after 3 rounds of warm-up; 5 for metrics' and elastic's throughput pairs, sparse's step "
+                          "passes and elastic's mnist1d-cnn jobs, 3 for training, for sparse's dlrm-synth pairs and "
+                          "for scale's passes over the worker counts; --quick: 2 for transfers, else 1).")
     sizes: str = _f("", "Model sizes in MiB for goodput, comma-separated (default: 4,64,256; --quick: 1,4). "
                     "tls measures the one nearest 64.")
     widths: str = _f("", "Hidden widths of the training MLPs, comma-separated (default: 100,1024,2048; --quick: 100). "
@@ -94,8 +94,11 @@ class BenchConfig:
             quick=quick,
             sizes_mib=sizes,
             shard_counts=(1, 2),
-            transfer_reps=self.reps or (2 if quick else 5),
-            transfer_warmup=1,
+            # 20 rounds after 3: fresh lanes run their first rounds about 10% slower (their
+            # sockets' buffers grow) than the TCP connection they are paired with, warm all run,
+            # and the ratio of medians of 5 rounds spread 0.05 between runs (docs/benchmarks.md).
+            transfer_reps=self.reps or (2 if quick else 20),
+            transfer_warmup=1 if quick else 3,
             training_reps=self.reps or (1 if quick else 3),
             baseline_bytes=(16 if quick else 256) << 20,
             latency_calls=self.latency_calls or (100 if quick else 1000),

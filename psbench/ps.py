@@ -131,6 +131,9 @@ class GoodputResult:
             "shard_cpu_seconds_per_round": self.shard_cpu_seconds,
             "cpu_seconds_per_mib": self.cpu_seconds_per_mib,
             "paired_tcp_bytes_per_second": self.reference_bytes_per_second,
+            "paired_tcp_seconds": [round(s, 6) for s in self.reference_seconds],
+            "push_seconds": [round(s, 6) for s in self.push_seconds],
+            "pull_seconds": [round(s, 6) for s in self.pull_seconds],
         }
 
 

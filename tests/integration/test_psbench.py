@@ -68,6 +68,13 @@ def test_quick_run_reports_every_section(tmp_path):
     assert {g["shards"] for g in doc["goodput"]} == {1, 2}
     assert {g["transport"] for g in doc["goodput"]} == {"lanes", "grpc"}  # the lanes and gRPC alone
     assert all(g["ratio_to_tcp"] > 0 for g in doc["goodput"])
+    # Every repetition is kept: the rounds, their push and pull, and the paired TCP transfers.
+    reps = doc["plan"]["transfer_reps"]
+    for g in doc["goodput"]:
+        assert len(g["round_seconds"]) == len(g["push_seconds"]) == len(g["pull_seconds"]) == reps
+        assert len(g["paired_tcp_seconds"]) == reps
+        assert g["round_seconds"] == pytest.approx([a + b for a, b in zip(g["push_seconds"], g["pull_seconds"])],
+                                                   abs=2e-6)
     assert doc["latency"]["pull"]["p50_ratio_to_echo"] > 0
     assert doc["training"][0]["cluster_samples_per_second"] > 0
     # Held: the variables, plus SGD's few bytes of step counters.
