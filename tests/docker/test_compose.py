@@ -230,7 +230,11 @@ def test_a_crashed_shard_restarts_restores_and_the_workers_finish(cluster):
 
 
 def test_a_paused_worker_is_evicted_and_rejoins_when_unpaused(cluster):
-    c = cluster(LEASE_TIMEOUT="5")
+    # The crash scenario's job, four times the task's: the first progress line comes 5 s into
+    # training, and two workers at 50K samples/s each had done 500K of the task's 600K examples by
+    # then; the other worker finished the job 6 s after the pause, before the 5 s lease evicted
+    # the paused one (CI at 1956e07).
+    c = cluster(LEASE_TIMEOUT="5", PSWORKER_STEPS="24000")
     c.run(UP)
     c.wait(lambda: c.log_matches("worker", r"step \d+ loss"), 120, "training to start")
     paused = c.containers("worker")[0]
