@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from psbench.servers import ECHO, SINK, SOURCE, TCP_ACK, TCP_HEADER
-from psbench.stats import LatencySummary, median
+from psbench.stats import LatencySummary, median, repetitions
 
 __all__ = ["CpuClock", "Echo", "EchoClient", "Goodput", "TcpClient", "grpc_echo_latency", "grpc_stream_goodput",
            "tcp_goodput"]
@@ -57,7 +57,7 @@ class Goodput:
     def to_dict(self) -> dict:
         return {"bytes_per_transfer": self.bytes_per_transfer, "reps": self.reps,
                 "bytes_per_second": self.bytes_per_second, "cpu_seconds_per_mib": self.cpu_seconds_per_mib,
-                "seconds": [round(s, 6) for s in self.seconds]}
+                "seconds": repetitions(self.seconds)}
 
 
 def _timed(run: Callable[[], None], reps: int, warmup: int, server_cpu: CpuClock) -> tuple[list[float], float]:

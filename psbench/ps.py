@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from psbench.procs import Child, Children
-from psbench.stats import LatencySummary, median
+from psbench.stats import LatencySummary, median, repetitions
 from pswire.optim import OptimizerConfig
 from pswire.placement import model_spec
 from pswire.security import ClientSecurity
@@ -122,7 +122,7 @@ class GoodputResult:
             "push_bytes_per_second": self.push_bytes_per_second,
             "pull_bytes_per_second": self.pull_bytes_per_second,
             "reps": len(self.round_seconds),
-            "round_seconds": [round(s, 6) for s in self.round_seconds],
+            "round_seconds": repetitions(self.round_seconds),
             "init_seconds": round(self.init_seconds, 3),
             "shard_idle_rss_bytes": self.shard_idle_rss_bytes,
             "shard_peak_rss_bytes": self.shard_peak_rss_bytes,
@@ -131,9 +131,9 @@ class GoodputResult:
             "shard_cpu_seconds_per_round": self.shard_cpu_seconds,
             "cpu_seconds_per_mib": self.cpu_seconds_per_mib,
             "paired_tcp_bytes_per_second": self.reference_bytes_per_second,
-            "paired_tcp_seconds": [round(s, 6) for s in self.reference_seconds],
-            "push_seconds": [round(s, 6) for s in self.push_seconds],
-            "pull_seconds": [round(s, 6) for s in self.pull_seconds],
+            "paired_tcp_seconds": repetitions(self.reference_seconds),
+            "push_seconds": repetitions(self.push_seconds),
+            "pull_seconds": repetitions(self.pull_seconds),
         }
 
 

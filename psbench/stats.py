@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LatencySummary", "median", "median_ratio", "percentile"]
+__all__ = ["LatencySummary", "median", "median_ratio", "percentile", "repetitions"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -25,6 +25,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def repetitions(seconds: Sequence[float]) -> list[float]:
+    """Every repetition's seconds as the JSON keeps them: to the microsecond."""
+    return [round(s, 6) for s in seconds]
 
 
 def median(values: Sequence[float]) -> float:

@@ -289,6 +289,7 @@ class PushIntake:
         except BaseException:
             release()
             raise
-        for i in words if bound is not None else ():
-            screened[i] = bound
+        if bound is not None:
+            for i in words:
+                screened[i] = bound
         return (parts, *self._widen(parts, sent, views, release), screened)
